@@ -1,0 +1,105 @@
+"""A request's state as the scheduler sees it: token ids, progress, status, block hashes.
+
+Created on the caller's thread when the request is added, then owned by the engine
+thread (scheduler) until it finishes. Plain Python: no jax.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from jaxserve.core.hashing import BlockHash, hash_block_tokens
+from jaxserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()        # EOS or a stop token / stop string
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or the context length
+    FINISHED_ABORTED = enum.auto()        # aborted by the caller
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence to generate. `n > 1` is several sibling Requests (engine level)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0   # tokens whose K/V are in the cache (after the last schedule)
+        self.num_cached_tokens = -1    # prefix-cache hit at first admission (-1: not admitted yet)
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.block_hashes: list[BlockHash] = []    # hashes of every full block of all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash every full block not hashed yet (chained: each hash covers its prefix)."""
+        tokens = self.all_token_ids
+        while (len(self.block_hashes) + 1) * block_size <= len(tokens):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            extra = self.cache_salt if i == 0 else None  # chaining carries the salt onward
+            self.block_hashes.append(
+                hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size], extra))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,95 @@
+"""Sampling parameters of one request, with vLLM's names, defaults and checks.
+
+Plain data built on the caller's thread (HTTP handler, batch reader or user code) and
+read by the scheduler (stop checks) and the runner (on-device sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+_GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as in vLLM
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1                                 # completions to return for the prompt
+    presence_penalty: float = 0.0              # subtracted once from every token already generated
+    frequency_penalty: float = 0.0             # subtracted per occurrence of a generated token
+    repetition_penalty: float = 1.0            # >1 discourages tokens seen in prompt or output
+    temperature: float = 1.0                   # 0 means greedy
+    top_p: float = 1.0                         # nucleus mass kept, in (0, 1]
+    top_k: int = 0                             # 0 or -1 disables
+    min_p: float = 0.0                         # drop tokens below min_p * p(max)
+    seed: int | None = None                    # per-request RNG seed; results independent of the batch
+    stop: str | list[str] | None = None        # stop strings (matched in the detokenized text)
+    stop_token_ids: list[int] | None = None    # token ids that end the request
+    ignore_eos: bool = False                   # keep going past EOS
+    max_tokens: int | None = 16                # None: until the context is full
+    min_tokens: int = 0                        # no EOS / stop token before this many tokens
+    logprobs: int | None = None                # top-N logprobs per generated token
+    include_stop_str_in_output: bool = False   # keep the matched stop string in the text
+    skip_special_tokens: bool = True           # drop special tokens from the text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if abs(self.temperature) < _GREEDY_EPS and self.temperature >= 0:
+            # Greedy: top-p/top-k/min-p have no effect, as in vLLM.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(_is_num(self.temperature) and self.temperature >= 0,
+               "temperature", self.temperature, "must be >= 0")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
+               "must be -1 or 0 (disabled) or a positive integer")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "must be an integer >= 1 or None")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "must be an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be <= max_tokens={self.max_tokens}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               "logprobs", self.logprobs, "must be an integer >= 0 or None")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", self.stop, "must hold non-empty strings")
+        for t in self.stop_token_ids:
+            _check(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
+                   "must hold non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, field: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} is invalid: {field} {rule}")

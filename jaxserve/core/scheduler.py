@@ -1,0 +1,247 @@
+"""The scheduler: one token-budget rule over running and waiting requests.
+
+Runs on the engine thread. Each step `schedule()` lets every running request catch up
+(`num_tokens - num_computed_tokens`: one token for a decode, the next chunk for a
+prefill) as far as the budget allows, then admits waiting requests after a prefix-cache
+lookup. Mixed batches and chunked prefill fall out of that one rule. When blocks run
+out, the newest (or lowest-priority) running request is preempted and recomputed
+later. `update_from_output()` appends the sampled tokens and applies stop checks.
+"""
+
+from __future__ import annotations
+
+import random
+
+from jaxserve.core.config import SchedulerConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
+                                   NewRequestData, SchedulerOutput)
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request_queue import make_queue
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.seeds: dict[str, int] = {}
+        self.num_preemptions = 0
+        self._finished_req_ids: set[str] = set()
+        self._rng = random.Random()
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse one that could never fit, with the numbers."""
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt of request {request.request_id!r} has {request.num_prompt_tokens} tokens, but the "
+                f"maximum context length is {cfg.max_model_len} tokens (prompt + at least one generated token)")
+        max_tokens = request.sampling_params.max_tokens or cfg.max_model_len
+        max_len = min(request.num_prompt_tokens + max_tokens, cfg.max_model_len)
+        blocks_needed = cdiv(max_len - 1, cfg.block_size)
+        if blocks_needed > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {max_len} tokens = {blocks_needed} KV blocks of "
+                f"{cfg.block_size}, but the pool has only {self.kv.num_usable_blocks} blocks")
+        seed = request.sampling_params.seed
+        self.seeds[request.request_id] = seed if seed is not None else self._rng.getrandbits(31)
+        request.update_block_hashes(cfg.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown or finished ids are ignored."""
+        assert status.is_finished
+        for req_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def abort(self, request_id: str) -> None:
+        self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self.seeds.pop(request.request_id, None)
+        self._finished_req_ids.add(request.request_id)
+
+    # ---- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        # Running requests first: each catches up as far as the budget allows.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim.request_id in num_scheduled:  # priority policy may pick an earlier one
+                    budget += num_scheduled.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
+                if victim is request:
+                    break
+            if request.request_id in preempted:
+                continue
+            num_scheduled[request.request_id] = num_new
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, unless this step had to preempt.
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_computed
+            if not cfg.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = self._chunk(remaining, budget)
+            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_computed)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                seed=self.seeds[request.request_id],
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_computed,
+            ))
+            budget -= num_new
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            preempted_req_ids=preempted,
+            finished_req_ids=finished,
+        )
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            remaining = min(remaining, threshold)
+        return min(remaining, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, free what finished."""
+        outputs = []
+        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt yet
+            new_ids = []
+            for token_id in token_ids:
+                request.append_output_token_id(token_id)
+                new_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            request.update_block_hashes(self.config.block_size)
+            finish_reason = request.status.finish_reason
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=new_ids,
+                new_logprobs=[lp] if (lp is not None and new_ids) else [],
+                finish_reason=finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            ))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
+                or request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ---- introspection for metrics ---------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+
+__all__ = ["Scheduler", "Logprobs"]

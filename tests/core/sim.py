@@ -1,0 +1,80 @@
+"""A stand-in runner for scheduler tests: keeps per-request state from SchedulerOutput
+exactly as the real runner does, writes token ids into a fake KV pool, and returns
+deterministic 'sampled' tokens, so tests can check what the cache really holds."""
+
+from __future__ import annotations
+
+from jaxserve.core import ModelRunnerOutput, SchedulerOutput
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab: int = 1000, eos: int | None = None) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)  # token id written to each KV slot
+        self.state: dict[str, dict] = {}   # req_id -> {"tokens": [...], "blocks": [...]}
+        self.eos = eos
+
+    def next_token(self, tokens: list[int]) -> int:
+        return (sum(tokens) * 31 + len(tokens)) % self.vocab
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.state.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.state[new.req_id] = {"tokens": new.prompt_token_ids + new.output_token_ids,
+                                      "blocks": list(new.block_ids),
+                                      "computed": new.num_computed_tokens}
+        for cached in out.scheduled_cached_reqs:
+            st = self.state[cached.req_id]
+            st["blocks"].extend(cached.new_block_ids)
+            assert st["computed"] == cached.num_computed_tokens, (cached, st["computed"])
+        req_ids, sampled = [], []
+        for req_id, n in out.num_scheduled_tokens.items():
+            st = self.state[req_id]
+            start = st["computed"]
+            assert n > 0 and start + n <= len(st["tokens"])
+            for pos in range(start, start + n):
+                block = st["blocks"][pos // self.block_size]
+                assert block != 0, "wrote into the null block"
+                self.slots[block * self.block_size + pos % self.block_size] = st["tokens"][pos]
+            st["computed"] = start + n
+            req_ids.append(req_id)
+            if st["computed"] == len(st["tokens"]):
+                tok = self.next_token(st["tokens"])
+                st["tokens"].append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def block_tokens(self, block_id: int) -> list[int | None]:
+        bs = self.block_size
+        return self.slots[block_id * bs:(block_id + 1) * bs]
+
+
+def make_scheduler(**overrides):
+    from jaxserve.core import Scheduler, SchedulerConfig
+
+    cfg = dict(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8, block_size=4, num_blocks=64)
+    cfg.update(overrides)
+    config = SchedulerConfig(**cfg)
+    return Scheduler(config), FakeRunner(config.num_blocks, config.block_size)
+
+
+def step(scheduler, runner):
+    out = scheduler.schedule()
+    return out, scheduler.update_from_output(out, runner.execute(out))
+
+
+def run_until_done(scheduler, runner, max_steps=10_000):
+    """Step until nothing is left; returns {req_id: (token_ids, finish_reason)} and the step count."""
+    results: dict[str, tuple[list[int], str | None]] = {}
+    for n in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return results, n
+        _, outs = step(scheduler, runner)
+        for o in outs:
+            toks, _ = results.get(o.req_id, ([], None))
+            results[o.req_id] = (toks + o.new_token_ids, o.finish_reason)
+    raise AssertionError("scheduler did not finish")

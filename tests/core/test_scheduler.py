@@ -1,0 +1,160 @@
+import pytest
+
+from jaxserve.core import Request, RequestStatus, SamplingParams
+
+from .sim import make_scheduler, run_until_done, step
+
+
+def req(req_id, n_prompt, max_tokens=4, start=0, **kw):
+    params = kw.pop("params", None) or SamplingParams(max_tokens=max_tokens, **kw.pop("sp", {}))
+    return Request(req_id, list(range(start, start + n_prompt)), params, **kw)
+
+
+def test_decode_and_prefill_share_one_step_under_the_budget():
+    s, r = make_scheduler(max_num_batched_tokens=16)
+    s.add_request(req("a", 5))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 5}
+    s.add_request(req("b", 30, start=100))
+    out, _ = step(s, r)
+    # a decodes one token; b's 30-token prompt is chunked into what is left (15).
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 15}
+    assert [c.req_id for c in out.scheduled_cached_reqs] == ["a", "b"] and out.scheduled_new_reqs == []
+
+
+def test_long_prefill_threshold_caps_one_requests_chunk():
+    s, r = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    s.add_request(req("a", 20))
+    s.add_request(req("b", 20))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 8}
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    s, r = make_scheduler(max_num_batched_tokens=256, enable_chunked_prefill=False, max_model_len=256)
+    s.add_request(req("a", 200))
+    s.add_request(req("b", 100, start=1000))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 200}   # b does not fit in the 56 left and is not split
+
+
+def test_max_num_seqs_caps_running_requests():
+    s, r = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 3))
+    out, _ = step(s, r)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"} and s.num_waiting == 2
+
+
+def test_stop_conditions():
+    s, r = make_scheduler()
+    first = r.next_token(list(range(5)))
+    s.add_request(req("eos", 5, max_tokens=10, eos_token_ids=(first,)))
+    s.add_request(req("ignore", 5, max_tokens=3, start=0, eos_token_ids=(first,), sp={"ignore_eos": True}))
+    s.add_request(req("stopid", 5, max_tokens=10, sp={"stop_token_ids": [first]}))
+    s.add_request(req("min", 5, max_tokens=2, eos_token_ids=(first,), sp={"min_tokens": 2}))
+    results, _ = run_until_done(s, r)
+    assert results["eos"] == ([first], "stop")
+    assert len(results["ignore"][0]) == 3 and results["ignore"][1] == "length"
+    assert results["stopid"] == ([first], "stop")
+    assert results["min"][0][0] == first and results["min"][1] == "length"  # EOS ignored before min_tokens
+
+
+def test_context_length_caps_generation():
+    s, r = make_scheduler(max_model_len=12)
+    s.add_request(req("a", 10, max_tokens=None))
+    results, _ = run_until_done(s, r)
+    assert len(results["a"][0]) == 2 and results["a"][1] == "length"
+
+
+def test_refuses_what_can_never_fit_with_the_numbers():
+    s, _ = make_scheduler(max_model_len=64, num_blocks=5)   # 4 usable blocks of 4 = 16 tokens
+    with pytest.raises(ValueError, match="64 tokens.*maximum context length is 64"):
+        s.add_request(req("long", 64))
+    with pytest.raises(ValueError, match=r"needs up to 30 tokens = 8 KV blocks of 4.*only 4 blocks"):
+        s.add_request(req("big", 20, max_tokens=10))
+    s.add_request(req("ok", 10, max_tokens=7))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("ok", 10))
+    with pytest.raises(ValueError, match="empty"):
+        Request("e", [], SamplingParams())
+
+
+def test_preemption_recomputes_the_newest_and_everything_finishes():
+    # 8 usable blocks of 4 tokens; two requests of up to 28 tokens each cannot both stay.
+    s, r = make_scheduler(num_blocks=9, max_num_batched_tokens=64)
+    s.add_request(req("old", 8, max_tokens=20))
+    s.add_request(req("new", 8, max_tokens=20, start=100))
+    preempted = []
+    results = {}
+    while s.has_unfinished_requests():
+        out, outs = step(s, r)
+        preempted += list(out.preempted_req_ids)
+        for o in outs:
+            results.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert preempted and set(preempted) == {"new"}
+    assert s.num_preemptions == len(preempted)
+    assert len(results["old"]) == 20 and len(results["new"]) == 20
+    # Recompute must give the same tokens as an uninterrupted run.
+    s2, r2 = make_scheduler(num_blocks=64)
+    s2.add_request(req("new", 8, max_tokens=20, start=100))
+    alone, _ = run_until_done(s2, r2)
+    assert results["new"] == alone["new"][0]
+    assert s.kv.pool.num_free_blocks == 8
+
+
+def test_preempted_request_goes_to_the_front_of_the_queue():
+    s, r = make_scheduler(num_blocks=9, max_num_batched_tokens=64, max_num_seqs=2)
+    s.add_request(req("a", 8, max_tokens=20))
+    s.add_request(req("b", 8, max_tokens=20, start=50))
+    s.add_request(req("c", 4, max_tokens=2, start=90))
+    while not s.num_preemptions:
+        step(s, r)
+    assert [x.request_id for x in s.waiting][:2] == ["b", "c"]
+    assert s.requests["b"].status == RequestStatus.PREEMPTED
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s, r = make_scheduler(policy="priority", max_num_seqs=1)
+    s.add_request(req("low", 4, priority=5, arrival_time=1.0))
+    s.add_request(req("high", 4, priority=0, arrival_time=2.0))
+    out, _ = step(s, r)
+    assert list(out.num_scheduled_tokens) == ["high"]
+
+    s, r = make_scheduler(policy="priority", num_blocks=9, max_num_batched_tokens=64)
+    s.add_request(req("low", 8, max_tokens=20, priority=5, arrival_time=1.0))
+    s.add_request(req("high", 8, max_tokens=20, priority=0, arrival_time=2.0, start=100))
+    preempted = set()
+    while s.has_unfinished_requests():
+        out, _ = step(s, r)
+        preempted |= out.preempted_req_ids
+    assert preempted == {"low"}
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid_prefill", "decoding"])
+def test_abort_at_any_point_frees_everything(when):
+    s, r = make_scheduler(max_num_batched_tokens=8)
+    s.add_request(req("a", 20, max_tokens=50))
+    if when == "mid_prefill":
+        step(s, r)
+    elif when == "decoding":
+        for _ in range(5):
+            step(s, r)
+        assert s.requests["a"].num_output_tokens > 0
+    s.abort("a")
+    s.abort("a")             # idempotent
+    s.abort("never-added")   # unknown ids are ignored
+    assert not s.has_unfinished_requests()
+    assert s.kv.pool.num_free_blocks == s.kv.num_usable_blocks
+    out = s.schedule()
+    assert out.finished_req_ids == {"a"} and out.is_empty
+
+
+def test_results_of_an_aborted_step_are_dropped():
+    s, r = make_scheduler()
+    s.add_request(req("a", 4, max_tokens=5))
+    out = s.schedule()
+    s.abort("a")
+    assert s.update_from_output(out, r.execute(out)) == []

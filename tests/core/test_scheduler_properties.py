@@ -1,0 +1,126 @@
+"""Property tests: random add / step / abort / finish sequences keep every invariant."""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxserve.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+
+from .sim import FakeRunner
+
+PREFIXES = [[], [7] * 9, list(range(50, 70))]   # shared prefixes make prefix-cache hits likely
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        num_blocks=st.integers(4, 40),
+        budget=st.integers(4, 64),
+        max_num_seqs=st.integers(1, 8),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        chunked=st.booleans(),
+        caching=st.booleans(),
+        threshold=st.sampled_from([0, 0, 3]),
+    )
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, chunked, caching, threshold):
+        self.config = SchedulerConfig(
+            max_model_len=64 if chunked else budget, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
+            enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold, policy=policy)
+        self.s = Scheduler(self.config)
+        self.runner = FakeRunner(num_blocks, block_size)
+        self.live: dict[str, Request] = {}
+        self.done: dict[str, Request] = {}
+        self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
+        self.counter = 0
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 20), min_size=1, max_size=30),
+          max_tokens=st.integers(1, 20), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "x"]))
+    def add(self, prefix, tail, max_tokens, priority, salt):
+        self.counter += 1
+        req = Request(f"r{self.counter}", prefix + tail, SamplingParams(max_tokens=max_tokens),
+                      priority=priority, arrival_time=float(self.counter), cache_salt=salt)
+        try:
+            self.s.add_request(req)
+        except ValueError:
+            cfg = self.config
+            max_len = min(req.num_prompt_tokens + max_tokens, cfg.max_model_len)
+            assert req.num_prompt_tokens >= cfg.max_model_len or \
+                -(-(max_len - 1) // cfg.block_size) > cfg.num_blocks - 1
+            return
+        self.live[req.request_id] = req
+
+    @rule()
+    def step(self):
+        out = self.s.schedule()
+        cfg = self.config
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
+        assert all(n > 0 for n in out.num_scheduled_tokens.values())
+        if cfg.long_prefill_token_threshold:
+            assert all(n <= cfg.long_prefill_token_threshold for n in out.num_scheduled_tokens.values())
+        for o in self.s.update_from_output(out, self.runner.execute(out)):
+            if o.finished:
+                self.done[o.req_id] = self.live.pop(o.req_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), abort=st.booleans())
+    def end_one(self, data, abort):
+        req_id = data.draw(st.sampled_from(sorted(self.live)))
+        status = RequestStatus.FINISHED_ABORTED if abort else RequestStatus.FINISHED_STOPPED
+        self.s.finish_requests([req_id], status)
+        assert self.live.pop(req_id).status == status
+
+    @invariant()
+    def blocks_are_consistent(self):
+        if not hasattr(self, "s"):
+            return
+        pool = self.s.kv.pool
+        holders: dict[int, int] = {}
+        for blocks in self.s.kv.req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        free_ids = {b.block_id for b in pool.free_queue}
+        assert len(free_ids) == pool.num_free_blocks
+        assert 0 not in free_ids and 0 not in holders
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt >= 0
+            assert b.ref_cnt == holders.get(b.block_id, 0)
+            assert (b.block_id in free_ids) == (b.ref_cnt == 0), "a block is both free and in use, or neither"
+        for req in list(self.live.values()) + list(self.s.requests.values()):
+            bs = self.config.block_size
+            for i, h in enumerate(req.block_hashes):
+                self.hash_tokens[h] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+        for h, block in pool.cached.items():
+            assert block.block_hash == h
+            assert tuple(self.runner.block_tokens(block.block_id)) == self.hash_tokens[h], \
+                "the prefix cache points at a block that does not hold the hashed tokens"
+        assert len(self.s.running) <= self.config.max_num_seqs
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        # Every live request finishes once nothing else is added, with the tokens it would get alone.
+        for _ in range(5000):
+            if not self.s.has_unfinished_requests():
+                break
+            self.step()
+        assert not self.s.has_unfinished_requests() and not self.live
+        pool = self.s.kv.pool
+        assert pool.num_free_blocks == pool.num_blocks - 1
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        for req in self.done.values():
+            if req.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            expected = list(req.prompt_token_ids)
+            while len(expected) - req.num_prompt_tokens < req.num_output_tokens:
+                expected.append(self.runner.next_token(expected))
+            assert req.all_token_ids == expected
+            limit = min(req.sampling_params.max_tokens, self.config.max_model_len - req.num_prompt_tokens)
+            assert req.num_output_tokens == limit or req.status == RequestStatus.FINISHED_STOPPED
+
+
+TestSchedulerProperties = SchedulerMachine.TestCase
+TestSchedulerProperties.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
