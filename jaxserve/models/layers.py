@@ -1,0 +1,185 @@
+"""Layers shared by the Llama-family decoders: RMSNorm, RoPE, SwiGLU MLP, paged attention.
+
+What flows through: one step's flat token batch `x` [T, hidden] (tokens of many
+sequences back to back, see `AttentionMetadata`), absolute `positions` [T], and per
+layer a paged KV cache [2, num_kv_heads, num_blocks, block_size, head_dim] that is
+passed in and returned updated. Everything here runs inside the caller's jitted step.
+
+Numerics follow Hugging Face transformers: RMSNorm is computed in float32 and cast back
+before the weight multiplies; RoPE uses the rotate-half convention with cos/sin
+computed in float32 from `positions * inv_freq`; attention runs in float32 inside the
+kernel.
+
+Parameter layout (the checkpoint name table in `registry.py` maps HF tensors onto it):
+projections keep the head axis explicit, q_proj [hidden, heads, head_dim], o_proj
+[heads, head_dim, hidden], so tensor-parallel rules can name the head axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.config import ModelConfig, RopeScaling
+from jaxserve.models.metadata import AttentionMetadata
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference, write_kv_cache
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight over the last axis, computed in float32 (as HF does)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+        del rngs  # initialised to ones, like HF
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))  # [dim]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)                                      # [..., dim]
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)     # [..., 1]
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] float32, with linear or Llama-3 scaling.
+
+    Computed on the host in float64 then rounded once, so they are compile-time constants.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are divided by factor, short ones kept, the band between blended.
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    elif scaling.rope_type != "default":
+        raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE of x [T, heads, head_dim] at absolute positions [T]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, head_dim // 2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)                         # [T, head_dim]
+    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]                         # [T, 1, head_dim]
+    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]                         # [T, 1, head_dim]
+    x1, x2 = jnp.split(x, 2, axis=-1)                                      # [T, heads, head_dim // 2] each
+    rotated = jnp.concatenate([-x2, x1], axis=-1)                          # [T, heads, head_dim]
+    return x * cos + rotated * sin
+
+
+def paged_attention(
+    q: jax.Array,                # [T, num_heads, head_dim]
+    kv_cache: jax.Array,         # [2, num_kv_heads, num_blocks, block_size, head_dim], holds this step's K/V
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Ragged paged attention over the cache: [T, num_heads, head_dim].
+
+    The one place the models call an attention kernel, so the engine can dispatch to a
+    Pallas kernel by backend here.
+    """
+    return ragged_paged_attention_reference(
+        q, kv_cache, md.block_tables, md.context_lens, md.query_start_loc, md.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window,
+    )
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with RoPE, optional q/k/v/o biases and Qwen3's per-head QK norm."""
+
+    def __init__(
+        self, config: ModelConfig, *, sliding_window: int | None, dtype, param_dtype, rngs: nnx.Rngs
+    ):
+        hidden, heads, kv_heads, head_dim = (
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        )
+        self.num_heads = heads
+        self.num_kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+        self.sm_scale = head_dim ** -0.5
+        self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
+        common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        q_bias = (heads, head_dim) if config.attention_bias else None
+        kv_bias = (kv_heads, head_dim) if config.attention_bias else None
+        o_bias = (hidden,) if config.o_proj_bias else None
+        self.q_proj = nnx.Einsum("td,dhk->thk", (hidden, heads, head_dim), q_bias, **common)
+        self.k_proj = nnx.Einsum("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common)
+        self.v_proj = nnx.Einsum("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common)
+        self.o_proj = nnx.Einsum("thk,hkd->td", (heads, head_dim, hidden), o_bias, **common)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, **common)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, **common)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        q = self.q_proj(x)                                  # [T, heads, head_dim]
+        k = self.k_proj(x)                                  # [T, kv_heads, head_dim]
+        v = self.v_proj(x)                                  # [T, kv_heads, head_dim]
+        if self.q_norm is not None:                         # Qwen3: per-head RMSNorm before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # [head_dim // 2]
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
+        out = paged_attention(q, kv_cache, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+        return self.o_proj(out), kv_cache                   # [T, hidden]
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs
+    ):
+        common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        up_bias = (intermediate,) if use_bias else None
+        down_bias = (hidden,) if use_bias else None
+        self.gate_proj = nnx.Einsum("td,df->tf", (hidden, intermediate), up_bias, **common)
+        self.up_proj = nnx.Einsum("td,df->tf", (hidden, intermediate), up_bias, **common)
+        self.down_proj = nnx.Einsum("tf,fd->td", (intermediate, hidden), down_bias, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, intermediate]
+        return self.down_proj(h)                              # [T, hidden]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, layer_idx: int, dtype, param_dtype, rngs: nnx.Rngs):
+        common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **common)
+        self.self_attn = Attention(config, sliding_window=config.layer_sliding_windows[layer_idx], **common)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **common)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias, **common)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + attn_out                                           # [T, hidden]
+        x = x + self.mlp(self.post_attention_layernorm(x))         # [T, hidden]
+        return x, kv_cache

@@ -1,0 +1,33 @@
+"""Shared test fixtures: tiny random-weight Hugging Face model folders.
+
+`tiny_models["llama"]` (also "llama3", "qwen2", "qwen3", "mistral") is the path of a
+folder written on first use and reused for the rest of the session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.tiny_models import TINY_MODEL_NAMES, write_tiny_model
+
+
+class TinyModels:
+    """Lazily written tiny model folders under one session temp dir, by name."""
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._paths: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in TINY_MODEL_NAMES:
+            raise KeyError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODEL_NAMES)}")
+        if name not in self._paths:
+            self._paths[name] = write_tiny_model(name, self._root / name)
+        return self._paths[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny_models"))
