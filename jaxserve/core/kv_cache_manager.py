@@ -65,31 +65,38 @@ class KVCacheManager:
         `computed_blocks` are prefix-cache hits for a request being admitted; they cover
         `num_computed_tokens` tokens.
         """
-        computed_blocks = computed_blocks or []
-        held = self.req_to_blocks.get(request.request_id, [])
+        req_id = request.request_id
+        held = self.req_to_blocks.get(req_id, ())
         num_computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         total = num_computed + num_new_tokens
-        num_new_blocks = cdiv(total, self.block_size) - len(held) - len(computed_blocks)
+        num_hits = len(computed_blocks) if computed_blocks else 0
+        num_new_blocks = max(-(-total // self.block_size) - len(held) - num_hits, 0)
+        if num_new_blocks == 0 and not num_hits and held:
+            # Decode fast path: the token fits in the blocks already held.
+            self._cache_full_blocks(request, held, total)
+            return []
         # Hits on free (ref 0) cached blocks take those blocks out of the free queue too.
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0) if num_hits else 0
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             return None
-        self.pool.touch(computed_blocks)
-        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(computed_blocks)
+        if num_hits:
+            self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        if num_hits:
+            blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
-        if request.request_id not in self.num_cached_blocks:
-            self.num_cached_blocks[request.request_id] = len(computed_blocks)
+        if req_id not in self.num_cached_blocks:
+            self.num_cached_blocks[req_id] = num_hits
         self._cache_full_blocks(request, blocks, total)
         return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register blocks that will be full once this step's tokens are written."""
-        if not self.enable_caching:
-            return
         start = self.num_cached_blocks[request.request_id]
         end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if not self.enable_caching or end <= start:
+            return
         for i in range(start, end):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)

@@ -12,7 +12,7 @@ import dataclasses
 from jaxserve.core.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class NewRequestData:
     """A request the runner has no state for: first admission, or resumed after preemption."""
 
@@ -25,7 +25,7 @@ class NewRequestData:
     num_computed_tokens: int         # tokens already in the cache (prefix-cache hits) before this step
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CachedRequestData:
     """Diffs for requests the runner already holds, one entry per request."""
 
@@ -34,7 +34,7 @@ class CachedRequestData:
     num_computed_tokens: int         # tokens in the cache before this step
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]          # requests the runner sees whole
     scheduled_cached_reqs: list[CachedRequestData]    # running requests, as diffs
@@ -48,7 +48,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Logprobs:
     """Logprobs of one generated token."""
 
@@ -57,14 +57,14 @@ class Logprobs:
     top_logprobs: list[float]        # their logprobs
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]                          # requests of the step, in the order they were scheduled
     sampled_token_ids: list[list[int]]          # per request: the new token, or [] for a partial prefill chunk
     logprobs: list[Logprobs | None] | None = None   # per request, when it asked for logprobs
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class EngineCoreOutput:
     req_id: str                          # request id
     new_token_ids: list[int]             # tokens appended this step

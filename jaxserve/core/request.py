@@ -93,6 +93,8 @@ class Request:
     def update_block_hashes(self, block_size: int) -> None:
         """Hash every full block not hashed yet (chained: each hash covers its prefix)."""
         tokens = self.all_token_ids
+        if (len(self.block_hashes) + 1) * block_size > len(tokens):
+            return
         while (len(self.block_hashes) + 1) * block_size <= len(tokens):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None

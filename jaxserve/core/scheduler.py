@@ -191,11 +191,12 @@ class Scheduler:
         """Append sampled tokens, apply stop checks, free what finished."""
         outputs = []
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        requests, block_size, running = self.requests, self.config.block_size, RequestStatus.RUNNING
         for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < len(request.all_token_ids):
                 continue  # a prefill chunk that did not reach the end of the prompt yet
             new_ids = []
             for token_id in token_ids:
@@ -203,33 +204,30 @@ class Scheduler:
                 new_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            request.update_block_hashes(self.config.block_size)
-            finish_reason = request.status.finish_reason
-            if request.is_finished:
+            request.update_block_hashes(block_size)
+            finish_reason = None
+            if request.status != running:
+                finish_reason = request.status.finish_reason
                 self.running.remove(request)
                 self._free(request)
-            outputs.append(EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=new_ids,
-                new_logprobs=[lp] if (lp is not None and new_ids) else [],
-                finish_reason=finish_reason,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            ))
+            outputs.append(EngineCoreOutput(req_id, new_ids, [lp] if (lp is not None and new_ids) else [],
+                                            finish_reason, request.stop_reason,
+                                            max(request.num_cached_tokens, 0)))
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
-        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
-                or request.num_tokens >= self.config.max_model_len:
+        if (params.max_tokens is not None and num_output >= params.max_tokens) \
+                or len(request.all_token_ids) >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
