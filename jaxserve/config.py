@@ -1,0 +1,63 @@
+"""Engine options: one frozen dataclass whose fields are the CLI flags in snake_case.
+
+Built once from keyword arguments (`LLM(model=..., max_num_seqs=8)`) or CLI flags, then
+resolved against the model (context length, KV pool size) by the engine at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None                  # HF folder, .gguf file, or None for the default model
+    served_model_name: str | None = None      # name in the API (default: the model's own name)
+    dtype: str = "float32"                    # compute and KV dtype
+    max_model_len: int | None = None          # default: the model's max_position_embeddings, capped at 4096
+    max_num_batched_tokens: int = 512         # token budget of one step
+    max_num_seqs: int = 64                    # running requests at most
+    block_size: int = 16                      # tokens per KV block
+    num_kv_blocks: int | None = None          # KV pool size in blocks (overrides kv_cache_memory_gb)
+    kv_cache_memory_gb: float = 1.0           # KV pool budget when num_kv_blocks is not given
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0     # cap on one request's prefill chunk (0: none)
+    scheduling_policy: str = "fcfs"           # "fcfs" or "priority"
+    max_logprobs: int = 20                    # largest `logprobs` a request may ask for
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    attention_backend: str = "auto"           # "auto" picks by platform; "reference" forces pure jnp
+    seed: int = 0                             # seeds parameter init for random models; not sampling
+    compilation_cache_dir: str | None = None  # persistent XLA cache (default: under the user's cache dir)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "tensor_parallel_size",
+                     "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
+
+    @classmethod
+    def from_kwargs(cls, model=None, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(names - {'model'}))}")
+        return cls(model=None if model is None else str(model), **kwargs)

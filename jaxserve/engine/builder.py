@@ -1,0 +1,112 @@
+"""Start-up: checkpoint -> tokenizer, model, KV pool size, scheduler and runner.
+
+Runs once on the caller's thread when an engine is created. Heavy work lives here so
+that the step loop does none of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from checkpoints import Checkpoint, load_checkpoint
+from jaxserve.config import EngineConfig
+from jaxserve.core import Scheduler, SchedulerConfig
+from jaxserve.models import ModelConfig, get_model_class, load_weights
+from jaxserve.runner import ModelRunner
+from jaxserve.tokenizer import Tokenizer
+from sharding import make_mesh
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DEFAULT_MAX_MODEL_LEN = 4096   # cap on the model's own context when --max-model-len is not given
+
+
+@dataclasses.dataclass
+class EngineParts:
+    config: EngineConfig
+    checkpoint_name: str
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    runner: ModelRunner
+    startup_seconds: dict[str, float]
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Persistent XLA cache so a second start compiles far less (JAX_NOTES: ~2.5x)."""
+    if jax.config.jax_compilation_cache_dir:
+        return  # the user (or an earlier engine) already chose one
+    cache = Path(path) if path else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxserve" / "xla"
+    cache.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0):
+    model_config = ModelConfig.from_hf_config(checkpoint.config)
+    cls = get_model_class(model_config)
+    jdtype = _DTYPES[dtype]
+    model = cls(model_config, dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(seed))
+    load_weights(model, checkpoint.tensors)
+    return model, model_config
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
+    itemsize = jnp.dtype(_DTYPES[dtype]).itemsize
+    return (2 * model_config.num_key_value_heads * block_size * model_config.head_dim * itemsize
+            * model_config.num_hidden_layers)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    times = {}
+    t0 = time.perf_counter()
+    enable_compilation_cache(config.compilation_cache_dir)
+    checkpoint = load_checkpoint(config.model)
+    tokenizer = Tokenizer.from_checkpoint(checkpoint)
+    times["load_checkpoint"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model, model_config = build_model(checkpoint, config.dtype, config.seed)
+    times["build_model"] = time.perf_counter() - t0
+
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{model_config.max_position_embeddings}")
+    if config.max_num_seqs > config.max_num_batched_tokens:
+        raise ValueError(f"max_num_seqs={config.max_num_seqs} exceeds max_num_batched_tokens="
+                         f"{config.max_num_batched_tokens}: every running request needs a token each step")
+    if config.max_logprobs > model_config.vocab_size:
+        raise ValueError(f"max_logprobs={config.max_logprobs} exceeds the vocabulary ({model_config.vocab_size})")
+    num_blocks = config.num_kv_blocks or max(
+        2, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(model_config, config.block_size, config.dtype))
+
+    scheduler = Scheduler(SchedulerConfig(
+        max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy))
+
+    t0 = time.perf_counter()
+    mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+    runner = ModelRunner(
+        model, model_config, block_size=config.block_size, num_blocks=num_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
+        kv_dtype=_DTYPES[config.dtype], mesh=mesh)
+    del model
+    runner.warmup()
+    times["warmup"] = time.perf_counter() - t0
+    logger.info("engine ready: %s, %d KV blocks of %d, max_model_len %d, start-up %s", checkpoint.name,
+                num_blocks, config.block_size, max_model_len, {k: round(v, 2) for k, v in times.items()})
+    return EngineParts(config=config, checkpoint_name=checkpoint.name, model_config=model_config,
+                       tokenizer=tokenizer, scheduler=scheduler, runner=runner, startup_seconds=times)

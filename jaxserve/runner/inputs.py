@@ -1,0 +1,146 @@
+"""Host-side input preparation: a SchedulerOutput's requests -> padded numpy step inputs.
+
+Runs on the engine thread before each step, with no device work: the result is a
+`StepInputs` pytree of numpy arrays whose shapes depend only on the token bucket, so the
+jitted step never recompiles after warm-up. Testable without a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxserve.core import SamplingParams
+from jaxserve.models.metadata import AttentionMetadata
+from jaxserve.runner.sampler import SamplingMetadata
+
+MAX_BANNED = 8   # EOS + stop token ids masked while a request is under min_tokens
+
+
+@dataclasses.dataclass
+class RequestState:
+    """What the runner keeps per request between steps (built from NewRequestData, updated by diffs)."""
+
+    req_id: str
+    token_ids: list[int]                 # prompt + generated tokens, including the last sampled one
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int             # tokens in the cache before the current step
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    input_ids: jax.Array         # [T] int32 token ids of the flat batch (padding 0)
+    positions: jax.Array         # [T] int32 absolute position of each token (padding 0)
+    logits_indices: jax.Array    # [S] int32 flat index of each sequence's last scheduled token (padding 0)
+    banned_token_ids: jax.Array  # [S, MAX_BANNED] int32 ids masked for rows under min_tokens (padding -1)
+    want_logprobs: jax.Array     # [] bool: some row asked for top-N logprobs
+    attn: AttentionMetadata
+    sampling: SamplingMetadata
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    """Power-of-two token counts up to the budget (the budget itself always included)."""
+    buckets, b = [], smallest
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+def pick_bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} tokens exceed the largest bucket {buckets[-1]}")
+
+
+def num_seqs_for_bucket(num_tokens_bucket: int, max_num_seqs: int) -> int:
+    """Sequences can never outnumber tokens, so small buckets carry fewer sequence rows."""
+    return min(num_tokens_bucket, max_num_seqs)
+
+
+def prepare_inputs(
+    scheduled: list[tuple[RequestState, int]],
+    *,
+    num_tokens_bucket: int,
+    max_num_seqs: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    max_model_len: int,
+) -> StepInputs:
+    """Padded numpy inputs for one step. `scheduled`: (request state, tokens this step), in order."""
+    T = num_tokens_bucket
+    S = num_seqs_for_bucket(T, max_num_seqs)
+    assert len(scheduled) <= S, (len(scheduled), S)
+    input_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32)
+    block_tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    context_lens = np.zeros(S, np.int32)
+    query_start_loc = np.zeros(S + 1, np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    banned = np.full((S, MAX_BANNED), -1, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    presence = np.zeros(S, np.float32)
+    frequency = np.zeros(S, np.float32)
+    repetition = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    sample_index = np.zeros(S, np.int32)
+    output_ids = np.full((S, max_model_len), -1, np.int32)
+    prompt_ids = np.full((S, max_model_len), -1, np.int32)
+    want_logprobs = False
+
+    t = 0
+    for i, (st, n) in enumerate(scheduled):
+        start = st.num_computed_tokens
+        end = start + n
+        pos = np.arange(start, end, dtype=np.int32)
+        input_ids[t:t + n] = st.token_ids[start:end]
+        positions[t:t + n] = pos
+        blocks = np.asarray(st.block_ids, np.int32)
+        slot_mapping[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        block_tables[i, :len(blocks)] = blocks
+        context_lens[i] = end
+        query_start_loc[i + 1] = t + n
+        logits_indices[i] = t + n - 1
+        t += n
+
+        p = st.sampling_params
+        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        seeds[i] = st.seed & 0xFFFFFFFF
+        sample_index[i] = st.num_output_tokens
+        want_logprobs |= bool(p.logprobs)
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            output_ids[i, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
+            prompt_ids[i, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]
+        if st.num_output_tokens < p.min_tokens:
+            ban = [] if p.ignore_eos else list(st.eos_token_ids)
+            ban = (ban + list(p.stop_token_ids))[:MAX_BANNED]
+            banned[i, :len(ban)] = ban
+    query_start_loc[len(scheduled) + 1:] = t
+
+    attn = AttentionMetadata(
+        slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
+        query_start_loc=query_start_loc, num_seqs=np.int32(len(scheduled)))
+    sampling = SamplingMetadata(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
+        frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, sample_index=sample_index,
+        output_token_ids=output_ids, prompt_token_ids=prompt_ids)
+    return StepInputs(input_ids=input_ids, positions=positions, logits_indices=logits_indices,
+                      banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), attn=attn,
+                      sampling=sampling)

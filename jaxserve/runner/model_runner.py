@@ -1,0 +1,171 @@
+"""The model runner: per-request device-side state, the jitted step, warm-up.
+
+Runs on the engine thread. `execute(scheduler_output)` applies the scheduler's diffs to
+its request states, prepares padded numpy inputs for the smallest token bucket that
+fits, runs the one jitted step `(params, kv_caches, inputs) -> (kv_caches, tokens,
+logprobs)` with the KV pool donated (updated in place), and returns the sampled tokens
+as plain data. Every bucket is compiled by `warmup()`; `compiles_after_warmup` exposes
+any compile after that.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
+from jaxserve.models.config import ModelConfig
+from jaxserve.runner.inputs import (RequestState, StepInputs, num_seqs_for_bucket, pick_bucket,
+                                    prepare_inputs, token_buckets)
+from jaxserve.runner.sampler import sample
+from sharding import kv_cache_sharding, make_mesh, replicated
+
+logger = logging.getLogger(__name__)
+
+
+def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inputs: StepInputs):
+    """One forward + sampling step; pure, so callers may bring their own params.
+
+    Returns (kv_caches, token_ids [S], token_logprobs [S], top_ids [S, K], top_logprobs [S, K]).
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)  # [T, hidden]
+    logits = model.compute_logits(hidden[inputs.logits_indices])                          # [S, V] f32
+    num_seqs, vocab = logits.shape
+    # Under min_tokens, EOS and stop tokens cannot be sampled.
+    banned = jnp.where(inputs.banned_token_ids >= 0, inputs.banned_token_ids, vocab)      # [S, B]
+    masked = logits.at[jnp.arange(num_seqs)[:, None], banned].set(-jnp.inf, mode="drop")
+    token_ids = sample(masked, inputs.sampling).sampled_token_ids                         # [S]
+    # Logprobs are of the raw model distribution, as in vLLM.
+    logprobs = jax.nn.log_softmax(logits, axis=-1)                                       # [S, V]
+    token_logprobs = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]     # [S]
+    top_lps, top_ids = lax.cond(
+        inputs.want_logprobs,
+        lambda lp: tuple(lax.top_k(lp, max_logprobs)),
+        lambda lp: (jnp.zeros((num_seqs, max_logprobs), lp.dtype), jnp.zeros((num_seqs, max_logprobs), jnp.int32)),
+        logprobs)
+    return kv_caches, token_ids, token_logprobs, top_ids, top_lps
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nnx.Module,
+        config: ModelConfig,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_logprobs: int = 20,
+        eos_token_ids: tuple[int, ...] = (),
+        kv_dtype=jnp.float32,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_logprobs = max(max_logprobs, 1)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.mesh = mesh or make_mesh()
+
+        self.graphdef, params = nnx.split(model)
+        self.params = jax.device_put(params, replicated(self.mesh))
+        kv_shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+        kv_sharding = kv_cache_sharding(self.mesh)
+        self.kv_caches = [jnp.zeros(kv_shape, kv_dtype, device=kv_sharding)
+                          for _ in range(config.num_hidden_layers)]
+        # Pin the returned pool to the pool's own sharding; otherwise XLA may pick another
+        # and the next call, seeing a new input sharding, would compile again.
+        rep = replicated(self.mesh)
+        self.step = jax.jit(functools.partial(step_fn, self.graphdef, self.max_logprobs), donate_argnums=(1,),
+                            out_shardings=([kv_sharding] * config.num_hidden_layers, rep, rep, rep, rep))
+        self.states: dict[str, RequestState] = {}
+        self._compiles_at_warmup: int | None = None
+
+    # ---- compile bookkeeping ---------------------------------------------------------
+
+    @property
+    def num_compiles(self) -> int:
+        return self.step._cache_size()
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        if self._compiles_at_warmup is None:
+            return 0
+        return self.num_compiles - self._compiles_at_warmup
+
+    def warmup(self) -> None:
+        """Compile the step for every token bucket (all-padding inputs write only to the null block)."""
+        for bucket in self.buckets:
+            inputs = self._prepare([], bucket)
+            out = self.step(self.params, self.kv_caches, inputs)
+            self.kv_caches = out[0]
+        jax.block_until_ready(self.kv_caches)
+        self._compiles_at_warmup = self.num_compiles
+        logger.info("warm-up compiled %d step variants for buckets %s", self.num_compiles, self.buckets)
+
+    def _prepare(self, scheduled, bucket: int) -> StepInputs:
+        return prepare_inputs(scheduled, num_tokens_bucket=bucket, max_num_seqs=self.max_num_seqs,
+                              max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
+                              max_model_len=self.max_model_len)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.states[new.req_id] = RequestState(
+                req_id=new.req_id, token_ids=new.prompt_token_ids + new.output_token_ids,
+                num_prompt_tokens=len(new.prompt_token_ids), block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens, sampling_params=new.sampling_params,
+                seed=new.seed, eos_token_ids=self.eos_token_ids)
+        for cached in so.scheduled_cached_reqs:
+            st = self.states[cached.req_id]
+            st.block_ids.extend(cached.new_block_ids)
+            assert st.num_computed_tokens == cached.num_computed_tokens, (cached, st.num_computed_tokens)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        scheduled = [(self.states[req_id], n) for req_id, n in so.num_scheduled_tokens.items()]
+        if not scheduled:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        bucket = pick_bucket(so.total_num_scheduled_tokens, self.buckets)
+        if len(scheduled) > num_seqs_for_bucket(bucket, self.max_num_seqs):
+            raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
+        inputs = self._prepare(scheduled, bucket)
+        try:
+            self.kv_caches, *outs = self.step(self.params, self.kv_caches, inputs)
+        except Exception:
+            logger.error("step failed: bucket=%d seqs=%d input shapes=%s", bucket, len(scheduled),
+                         jax.tree.map(np.shape, inputs))
+            raise
+        token_ids, token_lps, top_ids, top_lps = jax.device_get(outs)
+
+        req_ids, sampled, logprobs = [], [], []
+        for i, (st, n) in enumerate(scheduled):
+            st.num_computed_tokens += n
+            req_ids.append(st.req_id)
+            if st.num_computed_tokens < len(st.token_ids):
+                sampled.append([])        # mid-prompt chunk: nothing to sample yet
+                logprobs.append(None)
+                continue
+            tok = int(token_ids[i])
+            st.token_ids.append(tok)
+            sampled.append([tok])
+            k = st.sampling_params.logprobs
+            logprobs.append(None if k is None else Logprobs(
+                float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
