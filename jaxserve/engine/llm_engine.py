@@ -1,0 +1,233 @@
+"""The synchronous engine: requests in, one scheduler + runner step at a time, outputs out.
+
+Single-threaded: whoever owns an LLMEngine calls add_request / step / abort_request from
+one thread (the AsyncEngine runs it on its own loop thread). `step()` schedules, runs
+the jitted step, applies stop checks, detokenizes incrementally and returns a
+RequestOutput for every request that changed. `n > 1` becomes n sibling core requests
+that share the prompt's KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from jaxserve.config import EngineConfig
+from jaxserve.core import EngineCoreOutput, Request, RequestStatus, SamplingParams
+from jaxserve.engine.builder import build_engine_parts
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
+
+PromptType = str | list[int] | dict
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One of a request's n completions."""
+
+    index: int
+    core_id: str
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        parts = build_engine_parts(config)
+        self.config = config
+        self.model_name = parts.checkpoint_name
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.startup_seconds = parts.startup_seconds
+        self.max_model_len = self.scheduler.config.max_model_len
+        self._requests: dict[str, _RequestState] = {}
+        self._core_to_seq: dict[str, tuple[_RequestState, _Sequence]] = {}
+        self.num_prompt_tokens_total = 0      # prompt tokens computed (not served from the cache)
+        self.num_generation_tokens_total = 0
+
+    @classmethod
+    def from_kwargs(cls, model=None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    # ---- requests ------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival))
+        eos = self.tokenizer.eos_token_ids
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                seq_params = params.clone(seed=params.seed + i)   # distinct, reproducible siblings
+            request = Request(core_id, token_ids, seq_params, eos_token_ids=eos, arrival_time=arrival,
+                              priority=priority, cache_salt=cache_salt)
+            try:
+                self.scheduler.add_request(request)
+            except ValueError:
+                self.scheduler.finish_requests([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
+                raise
+            seq = _Sequence(i, core_id, IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                            logprobs=[] if params.logprobs is not None else None,
+                            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            state.seqs.append(seq)
+        self._requests[request_id] = state
+        for seq in state.seqs:
+            self._core_to_seq[seq.core_id] = (state, seq)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests (unknown or finished ids are ignored); returns their final outputs."""
+        outputs = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+            self.scheduler.finish_requests([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._finish(state))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        now = time.monotonic()
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            before = request.num_computed_tokens - n        # schedule() already advanced it
+            self.num_prompt_tokens_total += max(0, min(n, request.num_prompt_tokens - before))
+        for new in so.scheduled_new_reqs:
+            state, _ = self._core_to_seq[new.req_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        runner_output = self.runner.execute(so)
+        core_outputs = self.scheduler.update_from_output(so, runner_output)
+        now = time.monotonic()
+        changed: dict[str, _RequestState] = {}
+        for co in core_outputs:
+            entry = self._core_to_seq.get(co.req_id)
+            if entry is not None:
+                self._apply(entry[0], entry[1], co, now)
+                changed[entry[0].request_id] = entry[0]
+        outputs = []
+        for state in changed.values():
+            outputs.append(self._finish(state) if state.finished else self._output(state))
+        return outputs
+
+    def _apply(self, state: _RequestState, seq: _Sequence, co: EngineCoreOutput, now: float) -> None:
+        m = state.metrics
+        if co.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.token_times.append(now)
+            self.num_generation_tokens_total += len(co.new_token_ids)
+        state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
+        seq.token_ids += co.new_token_ids
+        if seq.logprobs is not None:
+            for token_id, lp in zip(co.new_token_ids, co.new_logprobs):
+                seq.logprobs.append(logprobs_dict(token_id, lp))
+                seq.cumulative_logprob += lp.token_logprob
+        stop = seq.detok.update(co.new_token_ids)
+        if co.finished and stop is None:
+            stop = seq.detok.flush()
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            if not co.finished:
+                self.scheduler.finish_requests([seq.core_id], RequestStatus.FINISHED_STOPPED)
+        elif co.finished:
+            seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=s.detok.output_text(s.finish_reason is not None),
+                                 token_ids=list(s.token_ids), cumulative_logprob=s.cumulative_logprob,
+                                 logprobs=None if s.logprobs is None else list(s.logprobs),
+                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                for s in state.seqs]
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=outs, finished=state.finished,
+                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics)
+
+    def _finish(self, state: _RequestState) -> RequestOutput:
+        state.metrics.finished_time = time.monotonic()
+        self._requests.pop(state.request_id, None)
+        for seq in state.seqs:
+            self._core_to_seq.pop(seq.core_id, None)
+        return self._output(state)
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_usage": s.kv_usage,
+            "kv_free_blocks": s.kv.pool.num_free_blocks,
+            "kv_total_blocks": s.kv.num_usable_blocks,
+            "prefix_cache_queries": s.kv.stats.queries,
+            "prefix_cache_hits": s.kv.stats.hits,
+            "num_preemptions": s.num_preemptions,
+            "compiles_after_warmup": self.runner.compiles_after_warmup,
+            "prompt_tokens": self.num_prompt_tokens_total,
+            "generation_tokens": self.num_generation_tokens_total,
+        }

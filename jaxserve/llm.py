@@ -1,0 +1,89 @@
+"""`LLM`: the offline API, named as in vLLM so users can switch.
+
+`LLM(model=None, **engine_options).generate(prompts, sampling_params)` adds every prompt
+to one engine at once (continuous batching) and steps until all finish, on the
+caller's thread, returning RequestOutputs in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.core import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine.from_kwargs(model, **engine_options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": ...}); outputs in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        return self._run(list(zip(prompts, params_list)), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.encode(
+            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                    **(chat_template_kwargs or {})), add_special_tokens=False)}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params in items:
+                request_id = f"llm-{next(self._ids)}"
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+            results: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)   # nothing stays queued or holds blocks after an error or Ctrl-C
+            raise
+        return [results[i] for i in ids]

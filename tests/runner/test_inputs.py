@@ -1,0 +1,48 @@
+"""Host-side input preparation, checked by hand on a small mixed step (no device)."""
+
+import numpy as np
+import pytest
+
+from jaxserve.core import SamplingParams
+from jaxserve.runner.inputs import RequestState, num_seqs_for_bucket, pick_bucket, prepare_inputs, token_buckets
+
+
+def test_buckets_are_powers_of_two_up_to_the_budget():
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert pick_bucket(1, [16, 32]) == 16 and pick_bucket(17, [16, 32]) == 32
+    with pytest.raises(ValueError, match="33 tokens exceed the largest bucket 32"):
+        pick_bucket(33, [16, 32])
+    assert num_seqs_for_bucket(16, 64) == 16 and num_seqs_for_bucket(512, 64) == 64
+
+
+def test_mixed_step_by_hand():
+    decode = RequestState("d", token_ids=[10, 11, 12, 13, 14, 15], num_prompt_tokens=4, block_ids=[3, 7],
+                          num_computed_tokens=5, sampling_params=SamplingParams(temperature=0.5, top_k=5, seed=9),
+                          seed=9, eos_token_ids=(2,))
+    chunk = RequestState("c", token_ids=[20, 21, 22, 23, 24], num_prompt_tokens=5, block_ids=[9, 4],
+                         num_computed_tokens=0,
+                         sampling_params=SamplingParams(min_tokens=2, stop_token_ids=[8], repetition_penalty=1.2),
+                         seed=1, eos_token_ids=(2,))
+    x = prepare_inputs([(decode, 1), (chunk, 3)], num_tokens_bucket=16, max_num_seqs=4, max_blocks_per_seq=3,
+                       block_size=4, max_model_len=8)
+    assert x.input_ids.tolist() == [15, 20, 21, 22] + [0] * 12
+    assert x.positions.tolist() == [5, 0, 1, 2] + [0] * 12
+    # position 5 of d -> block 7 offset 1 -> slot 29; c's positions 0..2 -> block 9 -> slots 36..38
+    assert x.attn.slot_mapping.tolist() == [29, 36, 37, 38] + [0] * 12
+    assert x.attn.block_tables.tolist() == [[3, 7, 0], [9, 4, 0], [0, 0, 0], [0, 0, 0]]
+    assert x.attn.context_lens.tolist() == [6, 3, 0, 0]
+    assert x.attn.query_start_loc.tolist() == [0, 1, 4, 4, 4]
+    assert int(x.attn.num_seqs) == 2
+    assert x.logits_indices.tolist() == [0, 3, 0, 0]
+    s = x.sampling
+    assert s.temperature.tolist() == [0.5, 1.0, 0, 0] and s.top_k.tolist() == [5, 0, 0, 0]
+    assert s.sample_index.tolist() == [2, 0, 0, 0] and s.seeds.tolist() == [9, 1, 0, 0]
+    assert s.repetition_penalty.tolist() == pytest.approx([1.0, 1.2, 1.0, 1.0])
+    # Only the penalised row carries its token history.
+    assert s.prompt_token_ids[1].tolist() == [20, 21, 22, 23, 24, -1, -1, -1]
+    assert (s.prompt_token_ids[0] == -1).all() and (s.output_token_ids == -1).all()
+    # c is under min_tokens: EOS and its stop token are banned; d is not.
+    assert x.banned_token_ids[1, :2].tolist() == [2, 8] and (x.banned_token_ids[0] == -1).all()
+    assert not bool(x.want_logprobs)
+    assert x.input_ids.dtype == np.int32 and x.attn.block_tables.dtype == np.int32
