@@ -139,6 +139,9 @@ class LLMEngine:
             outputs.append(self._finish(state))
         return outputs
 
+    def abort_all(self) -> list[RequestOutput]:
+        return self.abort_request(list(self._requests))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

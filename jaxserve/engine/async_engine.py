@@ -1,0 +1,215 @@
+"""AsyncEngine: the LLMEngine stepping on its own thread, consumed from asyncio.
+
+Threads: one engine thread owns the LLMEngine and steps while work exists, sleeping on a
+command queue when idle; callers live on an asyncio event loop. Adds and aborts cross
+to the engine thread through the command queue and are applied between steps; outputs
+cross back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. A
+consumer that stops iterating (cancelled, disconnected) aborts its request, freeing its
+blocks. An exception in a step fails every in-flight request with that error and marks
+the engine dead (unhealthy); nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.core import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, max_num_queued_requests: int | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.max_num_queued_requests = max_num_queued_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()           # guards _streams
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncEngine":
+        return cls(LLMEngine(config), **kwargs)
+
+    # ---- health ----------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._stopping
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    # ---- requests --------------------------------------------------------------------
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs of one request until it finishes.
+
+        Raises ValueError for a bad request (before anything is yielded) and EngineDeadError
+        if the engine loop is dead. Stopping the iteration early aborts the request.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        if self.max_num_queued_requests is not None and self.num_in_flight >= self.max_num_queued_requests:
+            raise QueueFullError(f"the engine has {self.num_in_flight} requests in flight, "
+                                 f"the limit (--max-num-queued-requests) is {self.max_num_queued_requests}")
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        accepted = loop.create_future()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", request_id, prompt, params or SamplingParams(), kwargs, loop, accepted))
+        if self._error is not None and not accepted.done():  # died after the check above
+            accepted.set_exception(EngineDeadError(f"the engine is not running: {self._error!r}"))
+        finished = False
+        try:
+            await accepted        # raises the engine's ValueError for a bad request
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop: in-flight requests are aborted and their consumers get EngineDeadError."""
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # ---- the engine thread -----------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                block = not engine.has_unfinished_requests()
+                if not self._drain_commands(block):
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self.last_step_time = time.monotonic()
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - any failure must reach every waiting consumer
+            logger.exception("engine step failed; failing %d in-flight requests", self.num_in_flight)
+            self._error = e
+            self._fail_all(e)
+            return
+        self._error = EngineDeadError("the engine was shut down")
+        engine.abort_all()
+        self._fail_all(self._error)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued adds/aborts; returns False on stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return True
+            block = False
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "abort":
+                self.engine.abort_request(cmd[1])
+                continue
+            _, request_id, prompt, params, kwargs, loop, accepted = cmd
+            with self._lock:
+                wanted = request_id in self._streams
+            if not wanted:
+                _resolve(loop, accepted, None)   # the consumer already gave up
+                continue
+            try:
+                self.engine.add_request(request_id, prompt, params, **kwargs)
+            except Exception as e:  # noqa: BLE001 - a bad request fails only itself
+                _resolve(loop, accepted, e)
+            else:
+                _resolve(loop, accepted, None)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:
+                pass  # the consumer's loop is closed
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine step failed: {error!r}")
+        dead.__cause__ = None if error is dead else error
+        for request_id in ids:
+            self._deliver(request_id, dead)
+        # Commands that arrive later are refused by is_healthy; fail any adds already queued.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _resolve(cmd[5], cmd[6], dead)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests in flight (--max-num-queued-requests)."""
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None) -> None:
+    def set_result():
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+    try:
+        loop.call_soon_threadsafe(set_result)
+    except RuntimeError:
+        pass

@@ -1,0 +1,131 @@
+"""The offline LLM API and LLMEngine on the tiny model, through the public interface."""
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models["llama"]), max_num_batched_tokens=64, max_num_seqs=32, num_kv_blocks=256,
+               max_model_len=256)
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 500, size=int(k))] for k in rng.integers(1, 120, size=n)]
+
+
+def test_outputs_come_back_in_input_order(llm):
+    ps = ["hello there", [5, 6, 7], {"prompt_token_ids": [9, 10]}, {"prompt": "the cat"}]
+    outs = llm.generate(ps, [SamplingParams(max_tokens=k, ignore_eos=True) for k in (5, 1, 3, 2)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 1, 3, 2]
+    assert outs[0].prompt == "hello there" and outs[1].prompt_token_ids == [5, 6, 7]
+    assert outs[2].prompt_token_ids == [9, 10] and outs[3].prompt == "the cat"
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_greedy_is_batch_invariant_with_chunked_prefill(llm):
+    ps = prompts(32, seed=1)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batch = llm.generate(ps, greedy, use_tqdm=False)
+    for i in (0, 7, 31):
+        alone = llm.generate([ps[i]], greedy, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == batch[i].outputs[0].token_ids
+    assert llm.engine.stats()["compiles_after_warmup"] == 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    ps = prompts(10, seed=2)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=i, ignore_eos=True) for i in range(10)]
+    a = llm.generate(ps, params, use_tqdm=False)
+    b = llm.generate(ps, params, use_tqdm=False)
+    alone = llm.generate([ps[4]], params[4], use_tqdm=False)[0]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert alone.outputs[0].token_ids == a[4].outputs[0].token_ids
+    assert len({tuple(o.outputs[0].token_ids) for o in a}) > 5   # different seeds, different samples
+
+
+def test_n2_returns_two_completions_and_computes_the_prompt_once(llm):
+    engine = llm.engine
+    prompt = list(range(100, 180))                                       # 80 tokens = 5 full blocks
+    before = engine.stats()
+    (out,) = llm.generate([prompt], SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True),
+                          use_tqdm=False)
+    after = engine.stats()
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    # The second sibling hits every full block of the prompt but the last (one token is always computed).
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 64
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 80 + 16
+
+
+def test_stop_string_across_tokens(llm):
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["once upon"], greedy, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # Choose a stop string that starts inside one token's text and ends inside a later one.
+    pieces = [tok.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
+    start = next(i for i in range(2, len(pieces) - 2) if len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    cut = len(pieces[start]) + 1
+    stop = free.text[cut:cut + 3]
+    stopped = llm.generate(["once upon"], greedy.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == free.text[:free.text.index(stop)]
+    kept = llm.generate(["once upon"], greedy.clone(stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[:free.text.index(stop) + len(stop)]
+
+
+def test_abort_mid_generation_returns_every_block(llm):
+    engine = llm.engine
+    total = engine.stats()["kv_total_blocks"]
+    for i, p in enumerate(prompts(6, seed=3)):
+        engine.add_request(f"abort-{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["kv_free_blocks"] < total
+    outs = engine.abort_request([f"abort-{i}" for i in range(6)])
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["kv_free_blocks"] == total
+    assert engine.step() == []
+
+
+def test_logprobs_and_metrics(llm):
+    (out,) = llm.generate(["abc"], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+    m = out.metrics
+    assert m.ttft > 0 and len(m.token_times) == 4 and m.e2e_latency >= m.ttft
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"prompts": [[]]}, "empty"),
+    ({"prompts": [[1, 99999]]}, "token id 99999 is out of range"),
+    ({"prompts": [[1] * 300]}, "300 tokens.*maximum context length is 256"),
+    ({"prompts": [1.5]}, "prompt must be a string or a list of token ids"),
+    ({"prompts": ["a"], "sampling_params": SamplingParams(logprobs=50)}, "logprobs=50 exceeds max_logprobs=20"),
+    ({"prompts": ["a", "b"], "sampling_params": [SamplingParams()]}, "1 sampling_params for 2 prompts"),
+])
+def test_bad_inputs_raise_clear_errors_and_leave_nothing_behind(llm, bad, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(bad["prompts"], bad.get("sampling_params"), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["kv_free_blocks"] == llm.engine.stats()["kv_total_blocks"]
+
+
+def test_unknown_engine_option_is_refused(tiny_models):
+    with pytest.raises(TypeError, match="unknown engine option.*max_num_seq\\b"):
+        LLM(str(tiny_models["llama"]), max_num_seq=4)
+
+
+def test_chat_applies_the_template(llm):
+    (out,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True),
+                      use_tqdm=False)
+    tok = llm.get_tokenizer()
+    expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False)
+    assert out.prompt_token_ids == expected and len(out.outputs[0].token_ids) == 3
