@@ -1,0 +1,93 @@
+"""AsyncEngine: streaming, joining between steps, cancellation, and failure of a step."""
+
+import asyncio
+
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.llm_engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_models):
+    return LLMEngine.from_kwargs(str(tiny_models["llama"]), max_num_batched_tokens=32, max_num_seqs=16,
+                                 num_kv_blocks=128, max_model_len=128)
+
+
+@pytest.fixture
+def engine(llm_engine):
+    eng = AsyncEngine(llm_engine)
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine, prompt, params, request_id=None):
+    outs = []
+    async for out in engine.generate(prompt, params, request_id):
+        outs.append(out)
+    return outs
+
+
+def test_streams_incremental_outputs_and_requests_join_between_steps(engine):
+    async def main():
+        long = asyncio.create_task(collect(engine, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        short = await collect(engine, [4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+        return await long, short
+    long, short = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in short] == [1, 2, 3]
+    assert len(long[-1].outputs[0].token_ids) == 40 and long[-1].finished
+    assert not any(o.finished for o in long[:-1])
+    assert len(long) == 40   # one output per step of that request
+
+
+def test_bad_request_raises_before_streaming(engine):
+    async def main():
+        with pytest.raises(ValueError, match="maximum context length"):
+            await collect(engine, [1] * 200, SamplingParams())
+        return await collect(engine, [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert asyncio.run(main())[-1].finished   # the engine keeps serving
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(engine, llm_engine):
+    total = llm_engine.stats()["kv_total_blocks"]
+
+    async def main():
+        tasks = [asyncio.create_task(collect(engine, list(range(3, 60)), SamplingParams(max_tokens=100,
+                                                                                      ignore_eos=True)))
+                 for _ in range(5)]
+        while llm_engine.stats()["generation_tokens"] == 0 or llm_engine.stats()["num_running"] < 5:
+            await asyncio.sleep(0.01)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(200):
+            if not llm_engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+    asyncio.run(main())
+    assert not llm_engine.has_unfinished_requests()
+    assert llm_engine.stats()["kv_free_blocks"] == total
+
+
+def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_engine, monkeypatch):
+    engine = AsyncEngine(llm_engine)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(engine, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
+                 for _ in range(3)]
+        await asyncio.sleep(0.2)
+
+        def boom(_):
+            raise RuntimeError("device on fire")
+        monkeypatch.setattr(llm_engine.runner, "execute", boom)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [1], SamplingParams())
+        return results
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) and "device on fire" in str(r) for r in results)
+    assert not engine.is_healthy
+    monkeypatch.undo()
+    llm_engine.abort_all()
