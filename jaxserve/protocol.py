@@ -1,0 +1,271 @@
+"""OpenAI request/response shapes, shared by the HTTP server and the batch job.
+
+Pydantic at the edge only: request bodies are validated here (unknown fields refused,
+as OpenAI does), turned into (prompt, SamplingParams) for the engine, and engine
+RequestOutputs are turned back into OpenAI JSON (whole responses and stream chunks).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from jaxserve.core import SamplingParams
+from jaxserve.outputs import CompletionOutput, RequestOutput
+
+
+class RequestError(ValueError):
+    """A bad request: carries the HTTP status, OpenAI error type and offending parameter."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.type = status, param, type
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        kw: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        try:
+            return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                                  ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
+                                  logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+                                  skip_special_tokens=self.skip_special_tokens, **kw)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        return self._sampling_params(_max_tokens(self.max_tokens, "max_tokens", prompt_len, max_model_len),
+                                     self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v):
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(d.get("content"), list):   # OpenAI content parts: keep the text ones
+                parts = d["content"]
+                if any(p.get("type") != "text" for p in parts):
+                    raise RequestError("only text content parts are supported", param="messages")
+                d["content"] = "".join(p.get("text", "") for p in parts)
+            out.append(d)
+        return out
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(_max_tokens(requested, name, prompt_len, max_model_len), logprobs)
+
+
+def _max_tokens(requested: int | None, name: str, prompt_len: int, max_model_len: int) -> int:
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+            param="prompt")
+    if requested is None:
+        return room
+    if requested < 1:
+        raise RequestError(f"{name}={requested} must be at least 1", param=name)
+    if requested > room:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
+            "Please reduce the length of the prompt or completion.", param=name)
+    return requested
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate a JSON body; errors name the offending parameter."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise RequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_logprobs(tokenizer, c: CompletionOutput, text_offset: int = 0) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, lps in zip(c.token_ids, c.logprobs or []):
+        piece = tokenizer.decode([token_id], skip_special_tokens=False)
+        tokens.append(piece)
+        token_lps.append(lps[token_id])
+        tops.append({tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:
+    content = []
+    for token_id, lps in zip(token_ids, logprobs):
+        piece = tokenizer.decode([token_id], skip_special_tokens=False)
+        top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({
+            "token": piece, "logprob": lps[token_id], "bytes": list(piece.encode()),
+            "top_logprobs": [{"token": (s := tokenizer.decode([t], skip_special_tokens=False)), "logprob": lp,
+                              "bytes": list(s.encode())} for t, lp in top]})
+    return {"content": content}
+
+
+def completion_response(req: CompletionRequest, outputs: list[RequestOutput], model: str, tokenizer) -> dict:
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    for i, out in enumerate(outputs):
+        prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            prefix = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) \
+                if req.echo else ""
+            choices.append({
+                "index": i * req.n + c.index, "text": prefix + c.text,
+                "logprobs": completion_logprobs(tokenizer, c, len(prefix)) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
+
+
+def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, tokenizer) -> dict:
+    choices = []
+    for c in out.outputs:
+        choices.append({
+            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+            if req.logprobs else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)}
+
+
+Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+ENDPOINTS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
+                                         "/v1/chat/completions": ChatCompletionRequest}
+
+
+def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer,
+            max_model_len: int) -> list[tuple[dict, SamplingParams]]:
+    """Engine inputs of a validated request: one (prompt dict, params) per prompt."""
+    if isinstance(req, ChatCompletionRequest):
+        kwargs = dict(req.chat_template_kwargs or {})
+        try:
+            text = tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=req.add_generation_prompt,
+                                                 tools=req.tools, **kwargs)
+        except RequestError:
+            raise
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from e
+        pairs = [(text, tokenizer.encode(text, add_special_tokens=False))]
+    else:
+        pairs = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                pairs.append((p, tokenizer.encode(p)))
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                pairs.append((None, p))
+            else:
+                raise RequestError("prompt must be a string, a list of strings or token ids", param="prompt")
+    items = []
+    for text, ids in pairs:
+        if not ids:
+            raise RequestError("prompt must not be empty", param="prompt")
+        items.append(({"prompt": text, "prompt_token_ids": ids}, req.sampling_params(len(ids), max_model_len)))
+    return items
