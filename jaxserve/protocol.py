@@ -164,8 +164,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
-        raise RequestError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        where = ".".join(str(x) for x in err["loc"])
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise RequestError(f"{where}: {err['msg']}" if where else err["msg"], param=param) from None
 
 
 # ---- responses ---------------------------------------------------------------------------
