@@ -72,6 +72,7 @@ class SamplerOutput:
 
 def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) -> SamplerOutput:
     """Samples one token per row of `logits` [S, V]; `num_logprobs` is static."""
+    _check_shapes(logits, md, num_logprobs)
     logits = logits.astype(jnp.float32)
     num_seqs = logits.shape[0]
     lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
@@ -92,17 +93,32 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) ->
     )
 
 
+def _check_shapes(logits, md: SamplingMetadata, num_logprobs: int) -> None:
+    """Raises ValueError at trace time when shapes disagree (they are static)."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits shape {logits.shape} is invalid: expected [S, V]")
+    num_seqs, vocab_size = logits.shape
+    for name, value in vars(md).items():
+        want = 2 if name.endswith("token_ids") else 1
+        if value.ndim != want or value.shape[0] != num_seqs:
+            raise ValueError(f"SamplingMetadata.{name} shape {value.shape} is invalid: "
+                             f"expected [{num_seqs}{', L' if want == 2 else ''}] for logits {logits.shape}")
+    if not 0 <= num_logprobs <= vocab_size:
+        raise ValueError(f"num_logprobs={num_logprobs} is invalid: expected 0 <= num_logprobs <= {vocab_size}")
+
+
 def _sample_greedy(logits: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> jax.Array:
     """[S] argmax of the penalised logits. The branches never return `logits` itself, which
     would make XLA copy it (12 MB at S=64, V=49152)."""
     return lax.cond(jnp.any(_penalty_rows(md)),
-                    lambda: _argmax(_apply_penalties(logits, md)), lambda: _argmax(logits))
+                    lambda: _argmax(_apply_penalties(logits, md))[0], lambda: _argmax(logits)[0])
 
 
 def _sample_mixed(logits: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> jax.Array:
     """[S] tokens when some rows sample at random: those rows sample, the others argmax."""
     x = lax.cond(jnp.any(_penalty_rows(md)), _apply_penalties, lambda x, _: x, logits, md)
-    return jnp.where(is_random, _sample_random(x, md, is_random), _argmax(x))
+    random_ids, greedy_ids = _sample_random(x, md, is_random)
+    return jnp.where(is_random, random_ids, greedy_ids)
 
 
 # --- penalties ------------------------------------------------------------------------
@@ -141,31 +157,33 @@ def _apply_penalties(x: jax.Array, md: SamplingMetadata) -> jax.Array:
 # --- random rows ----------------------------------------------------------------------
 
 
-def _sample_random(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> jax.Array:
-    """[S] token ids for the random rows (garbage for greedy rows, which are discarded)."""
+def _sample_random(x, md: SamplingMetadata, is_random) -> tuple[jax.Array, jax.Array]:
+    """([S] draws for the random rows, [S] argmax for the greedy rows), each garbage in
+    the other rows. The argmax comes from the max pass the draws need anyway."""
     num_seqs = x.shape[0]
-    temperature = jnp.where(is_random, md.temperature, 1.0)
+    temperature = jnp.where(is_random, md.temperature, 1.0)  # greedy rows: x / 1 = x
     xt = x / temperature[:, None]
-    d = xt - jnp.max(xt, axis=-1, keepdims=True)  # [S, V] <= 0; the best token is at 0
-    w = jnp.exp(d)                                # unnormalised probabilities
+    greedy_ids, row_max = _argmax(xt)
+    d = xt - row_max[:, None]  # [S, V] <= 0; the best token is at 0; exp(d): unnormalised probs
 
     # min-p drops p_i < min_p * p_max, i.e. d_i < log(min_p); log(0) = -inf drops nothing.
     threshold = jnp.log(jnp.clip(md.min_p, 0.0, 1.0))
     top_k_on = is_random & (md.top_k > 0) & (md.top_k < x.shape[-1])
     top_p_on = is_random & (md.top_p > 0) & (md.top_p < 1)
-    no_cut = lambda d, w, t, *_: (t, jnp.zeros(num_seqs, bool), jnp.zeros(num_seqs, jnp.float32))
+    no_cut = lambda d, t, *_: (t, jnp.zeros(num_seqs, bool), jnp.zeros(num_seqs, jnp.float32))
     threshold, deep_p, p_mass = lax.cond(jnp.any(top_k_on | top_p_on), _top_k_top_p_threshold,
-                                         no_cut, d, w, threshold, md, top_k_on, top_p_on)
+                                         no_cut, d, threshold, md, top_k_on, top_p_on)
 
-    w = jnp.where(d >= threshold[:, None], w, 0.0)
+    w = jnp.where(d >= threshold[:, None], jnp.exp(d), 0.0)  # [S, V] weights of the survivors
     cdf = _BlockCdf.build(w)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.sample_index)
     tokens = cdf.draw(jax.vmap(jax.random.uniform)(keys))
-    return lax.cond(jnp.any(deep_p), _reject_outside_top_p, lambda *a: a[0],
-                    tokens, d, w, cdf, keys, deep_p, p_mass)
+    tokens = lax.cond(jnp.any(deep_p), _reject_outside_top_p, lambda *a: a[0],
+                      tokens, d, w, cdf, keys, deep_p, p_mass)
+    return tokens, greedy_ids
 
 
-def _top_k_top_p_threshold(d, w, threshold, md, top_k_on, top_p_on):
+def _top_k_top_p_threshold(d, threshold, md, top_k_on, top_p_on):
     """Raises each row's threshold on `d` [S, V] to apply top-k, then top-p on what is left.
     Returns (threshold [S], deep_p [S] rows whose top-p cut lies beyond the candidates,
     p_mass [S] the mass top-p keeps: p * mass left after min-p and top-k)."""
@@ -184,7 +202,7 @@ def _top_k_top_p_threshold(d, w, threshold, md, top_k_on, top_p_on):
 
     # top-p over the renormalised survivors: keep the best tokens while the mass *before*
     # a token is < p * mass (vLLM: the smallest set with mass >= p; the best token stays).
-    p_mass = md.top_p * jnp.sum(jnp.where(d >= threshold[:, None], w, 0.0), axis=-1)  # [S]
+    p_mass = md.top_p * jnp.sum(jnp.where(d >= threshold[:, None], jnp.exp(d), 0.0), axis=-1)
     wc = jnp.where(cand >= threshold[:, None], jnp.exp(cand), 0.0)
     incl = jnp.cumsum(wc, axis=-1)
     excl = jnp.concatenate([jnp.zeros((num_seqs, 1), jnp.float32), incl[:, :-1]], axis=-1)
@@ -276,13 +294,16 @@ def _blocks(x: jax.Array, fill: float, block: int = _BLOCK) -> jax.Array:
     return x.reshape(num_seqs, -1, block)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """[S] i32 first index of each row's max, like jnp.argmax (XLA:CPU's variadic argmax
-    reduce is several times slower than a max; this is one max pass plus a block argmax)."""
+def _argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """([S] i32 first index of each row's max, like jnp.argmax; [S] the max). XLA:CPU's
+    variadic argmax reduce is several times slower than a max: this is one max pass over
+    blocks plus an argmax inside the best block."""
     xb = _blocks(x, -jnp.inf)
-    block = jnp.argmax(jnp.max(xb, axis=-1), axis=-1)                 # [S]
+    block_max = jnp.max(xb, axis=-1)                                   # [S, nb]
+    block = jnp.argmax(block_max, axis=-1)                             # [S]
     row = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]  # [S, B]
-    return (block * xb.shape[-1] + jnp.argmax(row, axis=-1)).astype(jnp.int32)
+    ids = block * xb.shape[-1] + jnp.argmax(row, axis=-1)
+    return ids.astype(jnp.int32), jnp.max(block_max, axis=-1)
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

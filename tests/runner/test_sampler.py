@@ -21,10 +21,10 @@ from jaxserve.runner.sampler import SamplingMetadata, sample
 SAMPLE = jax.jit(sample, static_argnames="num_logprobs")
 V = 1000   # not a multiple of the 256-token block, and more than the 128 top-k/top-p candidates
 L = 32     # token-id columns per row
-K = 3      # num_logprobs for the V=1000 shapes
+K = 3      # num_logprobs
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
-_DEFAULTS = dict(  # a neutral row, as zero-filled padding is too (except top_p/repetition 1)
+_DEFAULTS = dict(  # a neutral row (a zero-filled one is neutral too: top_p 0, repetition 0 = off)
     temperature=(np.float32, 0.0), top_k=(np.int32, 0), top_p=(np.float32, 1.0),
     min_p=(np.float32, 0.0), presence_penalty=(np.float32, 0.0),
     frequency_penalty=(np.float32, 0.0), repetition_penalty=(np.float32, 1.0),
@@ -44,9 +44,9 @@ def make_md(num_seqs: int, length: int = L, prompt=None, output=None, **fields) 
     return md
 
 
-def run(logits, md: dict, num_logprobs: int = K):
+def run(logits, md: dict):
     md = SamplingMetadata(**{k: jnp.asarray(v) for k, v in md.items()})
-    out = SAMPLE(jnp.asarray(logits, jnp.float32), md, num_logprobs=num_logprobs)
+    out = SAMPLE(jnp.asarray(logits, jnp.float32), md, num_logprobs=K)
     return jax.tree.map(np.asarray, out)
 
 
@@ -62,9 +62,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def assert_distribution(tokens: np.ndarray, probs: np.ndarray) -> None:
     """No draw outside the support of `probs`, and a chi-square test against it."""
-    counts = np.bincount(tokens, minlength=len(probs))
+    probs = np.pad(probs, (0, V - len(probs)))
+    counts = np.bincount(tokens, minlength=V)
     support = probs > 0
     assert counts[~support].sum() == 0, f"drew outside the support: {counts}"
+    assert (counts[support] > 0).all(), f"never drew part of the support: {counts}"
     if support.sum() == 1:
         return
     expected = probs[support] * len(tokens)
@@ -108,22 +110,19 @@ def expected_probs(name: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def draws() -> dict:
-    """{config: tokens} from one batch of len(CONFIGS) * 1024 rows (one seed per row),
-    sampled at stream positions 0 and 1."""
-    names = list(CONFIGS)
-    n = len(names) * ROWS_PER_CONFIG
-    logits = np.concatenate([np.tile(np.log(CONFIGS[c][0]) + 1.0, (ROWS_PER_CONFIG, 1)) for c in names])
-    fields = {}
-    for key in ("temperature", "top_k", "top_p", "min_p"):
-        fields[key] = np.concatenate(
-            [np.full(ROWS_PER_CONFIG, CONFIGS[c][1].get(key, _DEFAULTS[key][1])) for c in names])
-    tokens = []
-    for index in (0, 1):
-        md = make_md(n, length=4, seeds=np.arange(n), sample_index=index, **fields)
-        out = run(logits, md, num_logprobs=0)
-        assert out.top_logprob_ids.shape == (n, 0) and out.top_logprobs.shape == (n, 0)
-        tokens.append(out.sampled_token_ids.reshape(len(names), ROWS_PER_CONFIG))
-    return {c: np.concatenate([t[i] for t in tokens]) for i, c in enumerate(names)}
+    """{config: tokens}: 1024 seeds per configuration at stream positions 0 and 1, drawn
+    16 rows at a time (the shape the other tests compile). The 8-token distributions sit
+    in the first 8 of V tokens; the others are masked with -inf logits."""
+    out = {}
+    for i, (name, (probs, opts)) in enumerate(CONFIGS.items()):
+        logits = np.full((16, V), -np.inf, np.float32)
+        logits[:, :8] = np.log(probs) + 1.0
+        tokens = [
+            run(logits, make_md(16, seeds=i * ROWS_PER_CONFIG + start + np.arange(16),
+                                sample_index=index, **opts)).sampled_token_ids
+            for index in (0, 1) for start in range(0, ROWS_PER_CONFIG, 16)]
+        out[name] = np.concatenate(tokens)
+    return out
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -145,6 +144,13 @@ def test_stream_positions_draw_independently(draws):
 
 def random_logits(num_seqs: int, seed: int, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((num_seqs, V)) * scale).astype(np.float32)
+
+
+def test_no_logprobs_gives_empty_columns():
+    md = SamplingMetadata(**{k: jnp.asarray(v) for k, v in make_md(16).items()})
+    out = jax.eval_shape(lambda x, md: sample(x, md, num_logprobs=0), jnp.zeros((16, V)), md)
+    assert out.top_logprob_ids.shape == (16, 0) and out.top_logprobs.shape == (16, 0)
+    assert (out.sampled_token_ids.shape, out.logprobs.shape) == ((16,), (16,))
 
 
 def test_greedy_is_first_argmax():
@@ -201,17 +207,21 @@ def test_penalties_match_numpy():
     np.testing.assert_array_equal(got[4], x[4])        # penalties off: bit-identical
 
 
-def test_penalties_steer_greedy_and_sampling():
+@pytest.mark.parametrize("with_random_row", [False, True])
+def test_penalties_steer_greedy_and_sampling(with_random_row):
+    # Without a random row the batch takes the all-greedy path; with one, the mixed path.
     logits = np.full((16, V), -5.0, np.float32)
     logits[:, [5, 7, 9]] = [2.0, 1.9, 1.8]
-    md = make_md(16, repetition_penalty=[1.2, 1.0, 1.0, 1.0] + [1.0] * 12,
+    random_row = dict(temperature=[0.0] * 15 + [1.0 if with_random_row else 0.0], top_k=[0] * 15 + [1])
+    md = make_md(16, repetition_penalty=[1.2, 1.0, 1.0, 1.0] + [1.0] * 11 + [1.2],
                  frequency_penalty=[0.0, 0.06, 0.0, 0.0] + [0.0] * 12,
                  presence_penalty=[0.0, 0.0, 0.0, 0.5] + [0.0] * 12,
-                 prompt={0: [5], 2: [5]},                     # row 2: prompt alone is no penalty
-                 output={1: [5, 5], 3: [5, 7]})
+                 prompt={0: [5], 2: [5], 15: [5]},            # row 2: prompt alone is no penalty
+                 output={1: [5, 5], 3: [5, 7]}, **random_row)
     got = run(logits, md).sampled_token_ids
-    # 2/1.2 < 1.9; 2 - 0.12 < 1.9; untouched; 2 - 0.5 and 1.9 - 0.5 < 1.8.
-    np.testing.assert_array_equal(got[:5], [7, 7, 5, 9, 5])
+    # 2/1.2 < 1.9; 2 - 0.12 < 1.9; untouched; 2 - 0.5 and 1.9 - 0.5 < 1.8; untouched;
+    # row 15 (top-k 1 when random): 2/1.2 < 1.9.
+    np.testing.assert_array_equal(got[[0, 1, 2, 3, 4, 15]], [7, 7, 5, 9, 5, 7])
 
 
 # --- filters beyond the top-k candidates (bisection / rejection paths) --------------------
@@ -264,6 +274,19 @@ def test_exact_cuts_match_numpy():
         assert cut[r] == values[masses >= p_mass[r] * (1 - 1e-6)].max()
 
 
+@pytest.mark.parametrize("k,vocab", [(3, V), (5, 4099), (128, 20000)])
+def test_blocked_top_k_equals_lax_top_k(k, vocab):
+    rng = np.random.default_rng(8)
+    x = np.round(rng.standard_normal((6, vocab)), 0).astype(np.float32)  # heavy ties
+    x[1, ::2] = -np.inf
+    x[2] = 0.0
+    x[3, vocab - 10:] = 9.0  # the best tokens at the end (in the padded block if any)
+    want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+    values, ids = jax.jit(sampler._top_k, static_argnums=1)(jnp.asarray(x), k)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(ids, want_ids)
+
+
 def test_block_cdf_never_draws_zero_weight():
     w = np.zeros((4, V), np.float32)
     w[0, 999] = 1.0             # only the very last token, in the padded block
@@ -271,8 +294,9 @@ def test_block_cdf_never_draws_zero_weight():
     w[2, 300:700] = 1.0
     w[3, 5] = 1.0
     cdf = sampler._BlockCdf.build(jnp.asarray(w))
+    draw = jax.jit(lambda c, u: c.draw(u))
     for u in (0.0, 0.3, 0.999999, np.nextafter(np.float32(1), np.float32(0))):
-        got = np.asarray(jax.jit(lambda c, u: c.draw(u))(cdf, jnp.full(4, u, jnp.float32)))
+        got = np.asarray(draw(cdf, jnp.full(4, u, jnp.float32)))
         assert (w[np.arange(4), got] > 0).all(), (u, got)
 
 
@@ -330,6 +354,16 @@ def test_same_seed_and_position_repeat_and_positions_move_on():
     assert len(set(first[8:])) >= 6      # different seeds
     stream = draw_many(flat, md, positions=range(1, 9))[:, 0]
     assert len(set(stream) | {first[0]}) >= 7  # seed 7 at positions 0..8 moves on
+
+
+def test_bad_shapes_raise_value_error_naming_the_field():
+    md = SamplingMetadata(**{k: jnp.asarray(v) for k, v in make_md(4).items()})
+    with pytest.raises(ValueError, match="temperature shape"):
+        sample(jnp.zeros((4, V)), SamplingMetadata(**{**vars(md), "temperature": jnp.zeros(5)}))
+    with pytest.raises(ValueError, match="prompt_token_ids shape"):
+        sample(jnp.zeros((4, V)), SamplingMetadata(**{**vars(md), "prompt_token_ids": jnp.zeros(4, jnp.int32)}))
+    with pytest.raises(ValueError, match="num_logprobs=-1"):
+        sample(jnp.zeros((4, V)), md, num_logprobs=-1)
 
 
 def test_new_options_do_not_recompile():
