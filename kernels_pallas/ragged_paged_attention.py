@@ -1,0 +1,341 @@
+"""Ragged paged attention in pure jnp: the reference the Pallas kernels are tested
+against, and the engine's CPU production path.
+
+What flows through: one step's queries of many sequences in one flat array `q`
+(decode tokens, whole prefills, prefill chunks continuing earlier context, prefix-cache
+hits, all mixed), and a paged KV cache that already holds this step's keys and values
+(`write_kv_cache` puts them there). Sequence s reads its keys through
+`block_tables[s]`. Both functions run inside the caller's jitted step, on whichever
+thread dispatches it; nothing here touches the host.
+
+Work is proportional to the context actually attended, not tokens x max context:
+- Short sequences (at most `decode_query_len` queries: decodes) are processed
+  `decode_seq_tile` at a time. Each iteration gathers the next `kv_pages_per_chunk`
+  pages of every sequence in the group at once and folds them into an online softmax,
+  for as many chunks as the longest context in the group needs.
+- Long sequences (prefills and prefill chunks) are processed one at a time, in query
+  tiles of `query_tile` rows. Each tile loops over KV chunks only from its
+  sliding-window start to its causal limit.
+Every loop bound is dynamic and every shape static, so nothing recompiles when the
+real token or sequence counts change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+
+
+def check_ragged_paged_attention_inputs(
+    q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
+    sm_scale, sliding_window=None,
+) -> None:
+    """Raise ValueError naming the offending argument if shapes or dtypes disagree."""
+    if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be a float [T, num_q_heads, head_dim] array, got {q.dtype}{list(q.shape)}")
+    _check_kv_cache(kv_cache)
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = kv_cache.shape[1]
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q num_q_heads {num_q_heads} is not a multiple of kv_cache num_kv_heads "
+                         f"{num_kv_heads}")
+    _check_int32("block_tables", block_tables, ndim=2)
+    num_seqs_max = block_tables.shape[0]
+    _check_int32("context_lens", context_lens, ndim=1)
+    if context_lens.shape != (num_seqs_max,):
+        raise ValueError(f"context_lens shape {context_lens.shape} != ({num_seqs_max},) (rows of block_tables)")
+    _check_int32("query_start_loc", query_start_loc, ndim=1)
+    if query_start_loc.shape != (num_seqs_max + 1,):
+        raise ValueError(f"query_start_loc shape {query_start_loc.shape} != ({num_seqs_max + 1},) "
+                         "(rows of block_tables + 1)")
+    _check_int32("num_seqs", num_seqs, ndim=0)
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool):
+        raise ValueError(f"sm_scale must be a Python float (it is static), got {sm_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def _check_kv_cache(kv_cache) -> None:
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2 or not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+        raise ValueError(
+            "kv_cache must be a float [2, num_kv_heads, num_blocks, block_size, head_dim] array, "
+            f"got {kv_cache.dtype}{list(kv_cache.shape)}")
+
+
+def _check_int32(name, x, *, ndim) -> None:
+    if x.ndim != ndim or x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be an int32 array of rank {ndim}, got {x.dtype}{list(x.shape)}")
+
+
+def write_kv_cache(kv_cache, k, v, slot_mapping):
+    """Write this step's K/V [T, num_kv_heads, head_dim] into their flat slots; in place when donated."""
+    _check_kv_cache(kv_cache)
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 3 or x.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} shape {x.shape} != [T, {num_kv_heads}, {head_dim}] (from kv_cache)")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {k.shape} != v shape {v.shape}")
+    _check_int32("slot_mapping", slot_mapping, ndim=1)
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping length {slot_mapping.shape[0]} != number of tokens {k.shape[0]}")
+    flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
+    kv = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, kv_heads, T, D]
+    flat = flat.at[:, :, slot_mapping].set(kv, mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _SeqInfo:
+    tables: jax.Array        # [S, padded_blocks] int32 block ids
+    context_lens: jax.Array  # [S] int32, 0 for padding sequences
+    starts: jax.Array        # [S] int32 first q row
+    q_lens: jax.Array        # [S] int32, 0 for padding sequences
+
+
+def ragged_paged_attention_reference(
+    q,                # [T, num_q_heads, head_dim]
+    kv_cache,         # [2, num_kv_heads, num_blocks, block_size, head_dim], holds this step's K/V
+    block_tables,     # [S, max_blocks_per_seq] int32
+    context_lens,     # [S] int32: cached tokens after this step
+    query_start_loc,  # [S + 1] int32
+    num_seqs,         # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    query_tile: int = 32,
+    kv_pages_per_chunk: int = 8,
+    decode_query_len: int = 1,
+    decode_seq_tile: int = 8,
+) -> jax.Array:
+    """Causal attention of each sequence's queries over its paged context -> [T, num_q_heads, head_dim].
+
+    Rows not owned by a real sequence are 0. Static knobs: `query_tile` rows per prefill
+    tile, `kv_pages_per_chunk` pages per KV chunk, sequences with at most
+    `decode_query_len` queries go through the batched decode path (0 turns it off),
+    `decode_seq_tile` of them at a time. The defaults were picked with
+    benchmarks/attention_reference.py --sweep.
+    """
+    # Every knob is passed explicitly, so an omitted default and the same value given
+    # by name share one compiled program (jax.jit keys its cache on the kwargs given).
+    return _ragged_paged_attention(
+        q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, query_tile=query_tile,
+        kv_pages_per_chunk=kv_pages_per_chunk, decode_query_len=decode_query_len,
+        decode_seq_tile=decode_seq_tile)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "query_tile", "kv_pages_per_chunk", "decode_query_len", "decode_seq_tile"))
+def _ragged_paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
+                            sm_scale, sliding_window, query_tile, kv_pages_per_chunk, decode_query_len,
+                            decode_seq_tile):
+    check_ragged_paged_attention_inputs(
+        q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window)
+    for name, knob, least in (("query_tile", query_tile, 1), ("kv_pages_per_chunk", kv_pages_per_chunk, 1),
+                              ("decode_query_len", decode_query_len, 0),
+                              ("decode_seq_tile", decode_seq_tile, 1)):
+        if not isinstance(knob, int) or knob < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {knob!r}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    num_seq_slots, max_blocks = block_tables.shape
+    chunk = kv_pages_per_chunk
+
+    # Pad block tables to whole chunks so a chunk's slice never clamps (padding -> null block 0).
+    padded_blocks = -(-max_blocks // chunk) * chunk  # static
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
+    real = jnp.arange(num_seq_slots) < num_seqs
+    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+    seqs = _SeqInfo(tables, jnp.where(real, context_lens, 0), query_start_loc[:-1], q_lens)
+
+    # Scaled float32 queries, GQA-split, padded by one tile so tile slices never clamp.
+    qs = (q.astype(_F32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    qs = jnp.pad(qs, ((0, query_tile), (0, 0), (0, 0), (0, 0)))
+    out = jnp.zeros_like(qs)
+    # One stable sort lists the short sequences first, then the long ones.
+    is_short = (q_lens > 0) & (q_lens <= decode_query_len)
+    is_long = q_lens > decode_query_len
+    order = jnp.argsort(jnp.where(is_short, 0, jnp.where(is_long, 1, 2)), stable=True).astype(jnp.int32)
+    num_short, num_long = is_short.sum(dtype=jnp.int32), is_long.sum(dtype=jnp.int32)
+    knobs = dict(sliding_window=sliding_window, chunk=chunk)
+    if decode_query_len > 0:
+        out = _short_sequences(qs, out, kv_cache, seqs, order, num_short, rows=decode_query_len,
+                               seq_tile=decode_seq_tile, **knobs)
+    out = _long_sequences(qs, out, kv_cache, seqs, order, num_short, num_long,
+                          query_tile=query_tile, **knobs)
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _cdiv(a, b):
+    """Ceil division of non-negative ints (lax.div truncates, which is floor here)."""
+    return lax.div(a + (b - 1), jnp.asarray(b, jnp.int32))
+
+
+def _first_key(first_pos, sliding_window):
+    """Earliest key position a query at `first_pos` (or later) can attend."""
+    return jnp.zeros_like(first_pos) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+
+
+def _key_mask(key_pos, q_pos, sliding_window):
+    """[..., R, K] causal (and sliding-window) mask from key [..., K] and query [..., R] positions."""
+    mask = key_pos[..., None, :] <= q_pos[..., :, None]
+    if sliding_window is not None:
+        mask &= key_pos[..., None, :] > q_pos[..., :, None] - sliding_window
+    return mask
+
+
+def _softmax_update(state, scores, mask, v, pv_eq):
+    """One online-softmax step: fold masked `scores` [..., R, K] and `v` into (max, sum, acc)."""
+    m, l, acc = state
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m_new = jnp.maximum(m, scores.max(-1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: keep exp finite
+    p = jnp.exp(scores - shift[..., None])             # masked -> exp(-inf) = 0
+    alpha = jnp.exp(m - shift)
+    acc = alpha[..., None] * acc + jnp.einsum(pv_eq, p, v)
+    return m_new, alpha * l + p.sum(-1), acc
+
+
+def _finish(l, acc):
+    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+
+def _page_rows(kv_cache, blocks):
+    """Rows of the K and V pages of `blocks` [..., P] in the cache viewed as one page per row.
+
+    Returns [2, kv_heads, ..., P] int32. Callers compute these once per sequence (or
+    group) outside the KV-chunk loop and slice them per chunk: when XLA can fuse the
+    index computation into the gather, it redoes it for every element copied
+    (measured ~8x slower gathers).
+    """
+    _, num_kv_heads, num_blocks, _, _ = kv_cache.shape
+    heads = jnp.arange(num_kv_heads).reshape(-1, *(1,) * blocks.ndim) * num_blocks
+    k_rows = heads + jnp.clip(blocks, 0, num_blocks - 1)
+    return jnp.stack([k_rows, k_rows + num_kv_heads * num_blocks])
+
+
+def _gather_pages(kv_cache, rows, key_ok):
+    """K and V of the pages at `rows` [2, kv_heads, ..., C], each [kv_heads, ..., C * block_size, D] f32.
+
+    Keys outside the context (`key_ok` false) get V = 0, so stale garbage in a page
+    (even NaN) cannot leak through a zero softmax weight.
+    """
+    two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    # Gathering whole rows of one (K or V, head, block) page each yields K and V
+    # directly in [KVH, ..., keys, D] order; gathering along axis 2 of the 5-D cache
+    # made XLA's CPU gather ~2x slower plus a transposing copy.
+    pages = kv_cache.reshape(two * num_kv_heads * num_blocks, block_size * head_dim)
+
+    def gather(rows):  # -> [KVH, ..., C * BS, D]
+        out = jnp.take(pages, rows.reshape(-1), axis=0, mode="clip")
+        return out.reshape(*rows.shape[:-1], -1, head_dim).astype(_F32)
+
+    return gather(rows[0]), jnp.where(key_ok[..., None], gather(rows[1]), 0.0)
+
+
+def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, sliding_window, chunk):
+    """Sequences with 1..`rows` queries, `seq_tile` at a time, batched over the group."""
+    _, num_kv_heads, group, head_dim = qs.shape
+    block_size = kv_cache.shape[3]
+    chunk_tokens = chunk * block_size
+    num_slots = order.shape[0]
+    order = jnp.pad(order, (0, -(-num_slots // seq_tile) * seq_tile - num_slots))  # whole groups
+    num_rows = rows * group
+    dropped = qs.shape[0]  # an out-of-range row: writes there are dropped
+
+    def group_body(g, out):
+        seq = lax.dynamic_slice_in_dim(order, g * seq_tile, seq_tile)  # [G]
+        valid = g * seq_tile + jnp.arange(seq_tile) < count
+        ctx = jnp.where(valid, seqs.context_lens[seq], 0)
+        q_len = jnp.where(valid, seqs.q_lens[seq], 0)
+        j = jnp.arange(rows)
+        row = seqs.starts[seq][:, None] + j                        # [G, rows]
+        row = jnp.where(j < q_len[:, None], row, dropped)
+        pos = ctx[:, None] - q_len[:, None] + j                    # [G, rows]
+        q_pos = jnp.repeat(pos, group, axis=1)                     # [G, R] in (row, group) order
+        qg = qs.at[row].get(mode="fill", fill_value=0)             # [G, rows, KVH, group, D]
+        qg = qg.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, seq_tile, num_rows, head_dim)
+        first_chunk = lax.div(_first_key(ctx - q_len, sliding_window), chunk_tokens)
+        num_chunks = jnp.where(valid, _cdiv(ctx, chunk_tokens) - first_chunk, 0)
+        tables = seqs.tables[seq]                                  # [G, padded_blocks]
+        if sliding_window is not None:  # start each sequence's table at its first chunk
+            page = first_chunk[:, None] * chunk + jnp.arange(tables.shape[1])
+            tables = jnp.take_along_axis(tables, jnp.minimum(page, tables.shape[1] - 1), axis=1)
+        page_rows = _page_rows(kv_cache, tables)                   # [2, KVH, G, padded_blocks]
+
+        def chunk_body(i, state):
+            c = first_chunk + i                                    # [G]
+            rows = lax.dynamic_slice_in_dim(page_rows, i * chunk, chunk, axis=3)  # [2, KVH, G, C]
+            key_pos = c[:, None] * chunk_tokens + jnp.arange(chunk_tokens)  # [G, CT]
+            k, v = _gather_pages(kv_cache, rows, key_pos < ctx[:, None])  # [KVH, G, CT, D]
+            scores = jnp.einsum("hgrd,hgkd->hgrk", qg, k)
+            mask = _key_mask(key_pos, q_pos, sliding_window)       # [G, R, CT]
+            return _softmax_update(state, scores, mask, v, "hgrk,hgkd->hgrd")
+
+        state = (jnp.full((num_kv_heads, seq_tile, num_rows), -jnp.inf, _F32),
+                 jnp.zeros((num_kv_heads, seq_tile, num_rows), _F32),
+                 jnp.zeros_like(qg))
+        _, l, acc = lax.fori_loop(0, num_chunks.max(), chunk_body, state)
+        res = _finish(l, acc).reshape(num_kv_heads, seq_tile, rows, group, head_dim)
+        return out.at[row].set(res.transpose(1, 2, 0, 3, 4), mode="drop")
+
+    return lax.fori_loop(0, _cdiv(count, seq_tile), group_body, out)
+
+
+def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile, sliding_window, chunk):
+    """Sequences with more queries than the decode path takes, one at a time, in query tiles."""
+    _, num_kv_heads, group, head_dim = qs.shape
+    block_size = kv_cache.shape[3]
+    chunk_tokens = chunk * block_size
+    num_rows = query_tile * group
+
+    def seq_body(n, out):
+        s = order[first + n]
+        start, q_len, ctx = seqs.starts[s], seqs.q_lens[s], seqs.context_lens[s]
+        page_rows = _page_rows(kv_cache, seqs.tables[s])                        # [2, KVH, padded_blocks]
+
+        def tile_body(t, out):
+            row0 = start + t * query_tile
+            j = t * query_tile + jnp.arange(query_tile)
+            row_ok = j < q_len
+            q_pos = jnp.repeat(ctx - q_len + j, group)                          # [R]
+            qt = lax.dynamic_slice_in_dim(qs, row0, query_tile)                 # [Tq, KVH, group, D]
+            qt = qt.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_rows, head_dim)
+            first_pos = ctx - q_len + t * query_tile
+            first_chunk = lax.div(_first_key(first_pos, sliding_window), chunk_tokens)
+            end = ctx - q_len + jnp.minimum((t + 1) * query_tile, q_len)       # causal limit of the tile
+            num_chunks = _cdiv(end, chunk_tokens) - first_chunk
+
+            def chunk_body(i, state):
+                c = first_chunk + i
+                rows = lax.dynamic_slice_in_dim(page_rows, c * chunk, chunk, axis=2)  # [2, KVH, C]
+                key_pos = c * chunk_tokens + jnp.arange(chunk_tokens)           # [CT]
+                k, v = _gather_pages(kv_cache, rows, key_pos < ctx)             # [KVH, CT, D]
+                scores = jnp.einsum("hrd,hkd->hrk", qt, k)
+                mask = _key_mask(key_pos, q_pos, sliding_window)                # [R, CT]
+                return _softmax_update(state, scores, mask, v, "hrk,hkd->hrd")
+
+            state = (jnp.full((num_kv_heads, num_rows), -jnp.inf, _F32),
+                     jnp.zeros((num_kv_heads, num_rows), _F32), jnp.zeros_like(qt))
+            _, l, acc = lax.fori_loop(0, num_chunks, chunk_body, state)
+            res = _finish(l, acc).reshape(num_kv_heads, query_tile, group, head_dim).transpose(1, 0, 2, 3)
+            old = lax.dynamic_slice_in_dim(out, row0, query_tile)
+            res = jnp.where(row_ok[:, None, None, None], res, old)  # keep rows of other sequences
+            return lax.dynamic_update_slice_in_dim(out, res, row0, axis=0)
+
+        return lax.fori_loop(0, _cdiv(q_len, query_tile), tile_body, out)
+
+    return lax.fori_loop(0, count, seq_body, out)
