@@ -125,6 +125,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop a block's hash if the map points at it (its contents are not what was hashed)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks - 1:

@@ -104,7 +104,11 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_registered = self.num_cached_blocks.pop(request.request_id, 0)
+        # Blocks registered for tokens scheduled but never computed (a request preempted in the
+        # step that allocated them) must not stay findable in the prefix cache.
+        for block in blocks[request.num_computed_tokens // self.block_size:num_registered]:
+            self.pool.uncache(block)
         self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

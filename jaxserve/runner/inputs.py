@@ -49,7 +49,7 @@ class StepInputs:
     sampling: SamplingMetadata
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
     """Power-of-two token counts up to the budget (the budget itself always included)."""
     buckets, b = [], smallest
     while b < max_num_batched_tokens:

@@ -10,6 +10,7 @@ any compile after that.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 
@@ -92,29 +93,28 @@ class ModelRunner:
         self.step = jax.jit(functools.partial(step_fn, self.graphdef, self.max_logprobs), donate_argnums=(1,),
                             out_shardings=([kv_sharding] * config.num_hidden_layers, rep, rep, rep, rep))
         self.states: dict[str, RequestState] = {}
-        self._compiles_at_warmup: int | None = None
+        self._executables: dict[int, jax.stages.Compiled] = {}   # token bucket -> compiled step
+        self.compiles_after_warmup = 0                           # late compiles (should stay 0)
 
-    # ---- compile bookkeeping ---------------------------------------------------------
+    # ---- compilation -----------------------------------------------------------------
 
-    @property
-    def num_compiles(self) -> int:
-        return self.step._cache_size()
+    def _compile(self, bucket: int) -> jax.stages.Compiled:
+        return self.step.lower(self.params, self.kv_caches, self._prepare([], bucket)).compile()
 
-    @property
-    def compiles_after_warmup(self) -> int:
-        if self._compiles_at_warmup is None:
-            return 0
-        return self.num_compiles - self._compiles_at_warmup
+    def warmup(self, max_workers: int = 2) -> None:
+        """Compile the step for every token bucket, ahead of time and in parallel (XLA releases the GIL)."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
+            for bucket, exe in zip(self.buckets, pool.map(self._compile, self.buckets)):
+                self._executables[bucket] = exe
+        logger.info("warm-up compiled the step for token buckets %s", self.buckets)
 
-    def warmup(self) -> None:
-        """Compile the step for every token bucket (all-padding inputs write only to the null block)."""
-        for bucket in self.buckets:
-            inputs = self._prepare([], bucket)
-            out = self.step(self.params, self.kv_caches, inputs)
-            self.kv_caches = out[0]
-        jax.block_until_ready(self.kv_caches)
-        self._compiles_at_warmup = self.num_compiles
-        logger.info("warm-up compiled %d step variants for buckets %s", self.num_compiles, self.buckets)
+    def _executable(self, bucket: int) -> jax.stages.Compiled:
+        exe = self._executables.get(bucket)
+        if exe is None:
+            logger.warning("compiling the step for bucket %d after warm-up", bucket)
+            exe = self._executables[bucket] = self._compile(bucket)
+            self.compiles_after_warmup += 1
+        return exe
 
     def _prepare(self, scheduled, bucket: int) -> StepInputs:
         return prepare_inputs(scheduled, num_tokens_bucket=bucket, max_num_seqs=self.max_num_seqs,
@@ -147,7 +147,7 @@ class ModelRunner:
             raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
         inputs = self._prepare(scheduled, bucket)
         try:
-            self.kv_caches, *outs = self.step(self.params, self.kv_caches, inputs)
+            self.kv_caches, *outs = self._executable(bucket)(self.params, self.kv_caches, inputs)
         except Exception:
             logger.error("step failed: bucket=%d seqs=%d input shapes=%s", bucket, len(scheduled),
                          jax.tree.map(np.shape, inputs))

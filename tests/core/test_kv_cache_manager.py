@@ -30,6 +30,7 @@ def test_prefix_hit_capped_at_prompt_minus_one():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     a = make_request("a", list(range(8)))
     a_blocks = kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8          # the step ran
     kv.free(a)
     b = make_request("b", list(range(8)))        # identical 8-token prompt: 2 full blocks
     blocks, n = kv.get_computed_blocks(b)
@@ -69,3 +70,14 @@ def test_disabled_caching_never_hits():
     kv.allocate_slots(a, 9)
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
     assert kv.pool.cached == {}
+
+
+def test_blocks_freed_before_their_tokens_were_computed_leave_the_cache():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request("a", list(range(12)))
+    kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 4           # first chunk computed
+    kv.allocate_slots(a, 8)             # second chunk scheduled (registers blocks 1 and 2) ...
+    kv.free(a)                          # ... but the request is preempted before the step runs
+    b = make_request("b", list(range(12)) + [99])
+    assert kv.get_computed_blocks(b)[1] == 4   # only the computed block is a hit

@@ -8,8 +8,8 @@ from jaxserve.runner.inputs import RequestState, num_seqs_for_bucket, pick_bucke
 
 
 def test_buckets_are_powers_of_two_up_to_the_budget():
-    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert pick_bucket(1, [16, 32]) == 16 and pick_bucket(17, [16, 32]) == 32
     with pytest.raises(ValueError, match="33 tokens exceed the largest bucket 32"):
         pick_bucket(33, [16, 32])
