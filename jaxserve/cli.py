@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap on one request's prefill chunk per step (0: none)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
+    g.add_argument("--token-buckets", type=_int_list, default=None,
+                   help="comma-separated token counts to compile the step for, ending at the budget "
+                        "(default: powers of two up to --max-num-batched-tokens)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
@@ -51,7 +54,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        attention_backend=args.attention_backend, seed=args.seed)
+        attention_backend=args.attention_backend, seed=args.seed, token_buckets=args.token_buckets)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0     # cap on one request's prefill chunk (0: none)
     scheduling_policy: str = "fcfs"           # "fcfs" or "priority"
     max_logprobs: int = 20                    # largest `logprobs` a request may ask for
+    token_buckets: tuple[int, ...] | None = None  # token counts the step is compiled for (default: powers
+                                              # of two up to the budget); fewer buckets = faster warm-up
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     attention_backend: str = "auto"           # "auto" picks by platform; "reference" forces pure jnp
@@ -50,6 +52,13 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
+        if self.token_buckets is not None:
+            object.__setattr__(self, "token_buckets", tuple(self.token_buckets))
+            b = self.token_buckets
+            if not b or any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)) \
+                    or b[-1] != self.max_num_batched_tokens:
+                raise ValueError(f"token_buckets={b!r} must be increasing positive integers ending at "
+                                 f"max_num_batched_tokens={self.max_num_batched_tokens}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
 

@@ -25,6 +25,13 @@ class LLM:
         self.engine = LLMEngine.from_kwargs(model, **engine_options)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an engine that already exists (several front ends can share one)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

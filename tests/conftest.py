@@ -31,3 +31,18 @@ class TinyModels:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny_models"))
+
+
+# One tiny-model engine shared by the engine, batch and server tests: building one compiles the
+# step for each token bucket, which dominates those tests' run time.
+TINY_ENGINE_OPTIONS = dict(max_num_batched_tokens=64, max_num_seqs=64, num_kv_blocks=512, max_model_len=128,
+                           token_buckets=(4, 16, 64))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_models):
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(str(tiny_models["llama"]), **TINY_ENGINE_OPTIONS)
+    yield engine
+    assert not engine.has_unfinished_requests(), "a test left requests in the shared engine"

@@ -102,7 +102,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model, model_config, block_size=config.block_size, num_blocks=num_blocks,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
-        kv_dtype=_DTYPES[config.dtype], mesh=mesh)
+        kv_dtype=_DTYPES[config.dtype], mesh=mesh, buckets=config.token_buckets)
     del model
     runner.warmup()
     times["warmup"] = time.perf_counter() - t0

@@ -69,6 +69,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         kv_dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
+        buckets: tuple[int, ...] | None = None,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -78,7 +79,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_logprobs = max(max_logprobs, 1)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = list(buckets) if buckets else token_buckets(max_num_batched_tokens)
         self.mesh = mesh or make_mesh()
 
         self.graphdef, params = nnx.split(model)

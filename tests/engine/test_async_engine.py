@@ -6,13 +6,11 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
-def llm_engine(tiny_models):
-    return LLMEngine.from_kwargs(str(tiny_models["llama"]), max_num_batched_tokens=32, max_num_seqs=16,
-                                 num_kv_blocks=128, max_model_len=128)
+def llm_engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture
@@ -74,14 +72,18 @@ def test_cancelled_consumer_aborts_and_frees_blocks(engine, llm_engine):
 def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_engine, monkeypatch):
     engine = AsyncEngine(llm_engine)
 
+    real_execute, calls = llm_engine.runner.execute, {"n": 0}
+
+    def execute_then_fail(so):
+        calls["n"] += 1
+        if calls["n"] >= 3:      # every request is in flight by the third step
+            raise RuntimeError("device on fire")
+        return real_execute(so)
+
     async def main():
+        monkeypatch.setattr(llm_engine.runner, "execute", execute_then_fail)
         tasks = [asyncio.create_task(collect(engine, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
                  for _ in range(3)]
-        await asyncio.sleep(0.2)
-
-        def boom(_):
-            raise RuntimeError("device on fire")
-        monkeypatch.setattr(llm_engine.runner, "execute", boom)
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
         with pytest.raises(EngineDeadError):
             await collect(engine, [1], SamplingParams())

@@ -6,13 +6,11 @@ import pytest
 
 from jaxserve.batch import run_batch
 from jaxserve.cli import main
-from jaxserve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_models):
-    return LLMEngine.from_kwargs(str(tiny_models["llama"]), max_num_batched_tokens=64, max_num_seqs=16,
-                                 num_kv_blocks=256, max_model_len=128)
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def line(cid, url="/v1/completions", **body):
@@ -89,7 +87,8 @@ def test_cli_run_batch(tiny_models, tmp_path, capsys):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(GOOD[0] + "\n" + BAD[1] + "\n")
     rc = main(["run-batch", "-i", str(src), "-o", str(dst), str(tiny_models["llama"]), "--max-num-seqs", "4",
-               "--max-num-batched-tokens", "16", "--num-kv-blocks", "64", "--max-model-len", "64"])
+               "--max-num-batched-tokens", "16", "--num-kv-blocks", "64", "--max-model-len", "64",
+               "--token-buckets", "16"])
     assert rc == 0 and len(read(dst)) == 2
     assert "1 succeeded, 1 failed" in capsys.readouterr().err
 

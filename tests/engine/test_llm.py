@@ -7,9 +7,8 @@ from jaxserve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_models):
-    return LLM(str(tiny_models["llama"]), max_num_batched_tokens=64, max_num_seqs=32, num_kv_blocks=256,
-               max_model_len=256)
+def llm(tiny_engine):
+    return LLM.from_engine(tiny_engine)
 
 
 def prompts(n, seed=0):
@@ -106,7 +105,7 @@ def test_logprobs_and_metrics(llm):
 @pytest.mark.parametrize("bad,match", [
     ({"prompts": [[]]}, "empty"),
     ({"prompts": [[1, 99999]]}, "token id 99999 is out of range"),
-    ({"prompts": [[1] * 300]}, "300 tokens.*maximum context length is 256"),
+    ({"prompts": [[1] * 200]}, "200 tokens.*maximum context length is 128"),
     ({"prompts": [1.5]}, "prompt must be a string or a list of token ids"),
     ({"prompts": ["a"], "sampling_params": SamplingParams(logprobs=50)}, "logprobs=50 exceeds max_logprobs=20"),
     ({"prompts": ["a", "b"], "sampling_params": [SamplingParams()]}, "1 sampling_params for 2 prompts"),

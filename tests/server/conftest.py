@@ -11,7 +11,6 @@ import pytest
 import uvicorn
 
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.llm_engine import LLMEngine
 from server import create_app
 
 
@@ -38,9 +37,8 @@ class RunningServer:
 
 
 @pytest.fixture(scope="session")
-def tiny_llm_engine(tiny_models):
-    return LLMEngine.from_kwargs(str(tiny_models["llama"]), max_num_batched_tokens=64, max_num_seqs=64,
-                                 num_kv_blocks=512, max_model_len=128)
+def tiny_llm_engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")
