@@ -24,13 +24,13 @@ from jaxserve.models import layers
 from jaxserve.runner import ModelRunner
 
 
-def make_runner(model, cfg, budget, max_seqs, num_blocks, max_model_len, attention=True):
+def make_runner(model, cfg, buckets, max_seqs, num_blocks, max_model_len, attention=True):
     original = layers.paged_attention
     if not attention:
         layers.paged_attention = lambda q, kv_cache, md, **kw: q   # K/V are still written
     try:
-        runner = ModelRunner(model, cfg, block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                             max_num_seqs=max_seqs, max_model_len=max_model_len)
+        runner = ModelRunner(model, cfg, block_size=16, num_blocks=num_blocks, max_num_batched_tokens=buckets[-1],
+                             max_num_seqs=max_seqs, max_model_len=max_model_len, buckets=buckets)
         t0 = time.perf_counter()
         runner.warmup()
         warm = time.perf_counter() - t0
@@ -94,7 +94,8 @@ def main() -> None:
           f"budget {budget}, max_num_seqs {max_seqs}")
     rows = {}
     for attention in (True, False):
-        runner, warm = make_runner(model, cfg, budget, max_seqs, num_blocks, max_model_len, attention)
+        runner, warm = make_runner(model, cfg, sorted(set(buckets + batches)), max_seqs, num_blocks,
+                                   max_model_len, attention)
         print(f"warm-up ({'attention' if attention else 'no attention'}): {warm:.1f} s "
               f"for {len(runner.buckets)} buckets")
         for b in buckets:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -359,5 +360,9 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
     app = create_app(engine, served_model_name=config.served_model_name, api_key=api_key,
                      max_request_body_bytes=max_request_body_bytes)
     logger.info("serving %s on http://%s:%d", config.served_model_name or engine.model_name, host, port)
+    # uvicorn handles SIGTERM (stop accepting, drain in-flight requests up to the timeout, run the
+    # lifespan shutdown that stops the engine), then re-raises it to the handler that was there
+    # before; a no-op one lets the process exit 0 after that clean shutdown.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
     return 0

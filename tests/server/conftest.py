@@ -14,11 +14,15 @@ from jaxserve.engine.async_engine import AsyncEngine
 from server import create_app
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class RunningServer:
     def __init__(self, engine: AsyncEngine, **app_kwargs) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.engine = engine
         self.app = create_app(engine, **app_kwargs)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",

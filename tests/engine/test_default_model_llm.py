@@ -1,0 +1,32 @@
+"""The public LLM API on the default model (SmolLM2-135M-Instruct from the GGUF)."""
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=512, token_buckets=(1, 4, 16, 64))
+
+
+def test_generate_in_order_and_batch_invariant(llm):
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):",
+               "List three colors:", "In 1492,", "Water boils at"] * 2
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert outs[0].outputs[0].text.startswith(", the city of Nova Haven was a thriving metropolis")
+    assert [o.prompt for o in outs] == prompts
+    alone = llm.generate(["def fibonacci(n):"], greedy, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outs[2].outputs[0].token_ids == outs[8].outputs[0].token_ids
+    assert llm.engine.stats()["compiles_after_warmup"] == 0
+
+
+def test_chat_uses_the_gguf_chat_template(llm):
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False).startswith("<|im_start|>")
+    assert "Paris" in out.outputs[0].text
