@@ -151,7 +151,7 @@ def _admit(engine: LLMEngine, obj, lineno: int, model: str) -> _Line:
         raise RequestError("body must be a JSON object", param="body")
     if body.get("model") not in (None, model):
         raise RequestError(f"the model {body['model']!r} does not exist; this job serves {model!r}",
-                           status=404, param="model", type="not_found_error")
+                           status=404, param="model", type="NotFoundError")
     req = parse(ENDPOINTS[url], body)
     if req.stream:
         raise RequestError("stream is not supported in a batch job", param="stream")

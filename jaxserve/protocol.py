@@ -38,7 +38,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)    # OpenAI's limit
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -58,6 +58,19 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise RequestError(f"response_format {self.response_format.get('type')!r} is not supported; "
+                               "only 'text'", param="response_format")
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         kw: dict[str, Any] = {}
@@ -79,6 +92,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of not in (None, self.n):
+            raise RequestError("best_of other than n is not supported", param="best_of")
+        if self.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -110,6 +132,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
 
     @field_validator("messages")
     @classmethod
@@ -245,6 +274,7 @@ ENDPOINTS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer,
             max_model_len: int) -> list[tuple[dict, SamplingParams]]:
     """Engine inputs of a validated request: one (prompt dict, params) per prompt."""
+    req.check_unsupported()
     if isinstance(req, ChatCompletionRequest):
         kwargs = dict(req.chat_template_kwargs or {})
         try:
@@ -252,7 +282,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer,
                                                  tools=req.tools, **kwargs)
         except RequestError:
             raise
-        except ValueError as e:
+        except (ValueError, TypeError) as e:   # TypeError: chat_template_kwargs clashing with the template's
             raise RequestError(str(e), param="messages") from e
         pairs = [(text, tokenizer.encode(text, add_special_tokens=False))]
     else:

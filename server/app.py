@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.outputs import RequestOutput
 from jaxserve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_logprobs,
                                chat_response, completion_logprobs, completion_response, new_id, parse,
@@ -78,34 +78,24 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
             raise RequestError(f"the engine is not running ({engine.dead_error!r})", status=503,
                                type="service_unavailable")
 
-    async def start(prompt, params, req) -> AsyncIterator[RequestOutput]:
-        """Start a generation and wait for the engine to accept it (errors surface before streaming)."""
-        agen = engine.generate(prompt, params, new_id("req"), priority=req.priority, cache_salt=req.cache_salt)
-        try:
-            first = await agen.__anext__()
-        except (ValueError, QueueFullError, EngineDeadError) as e:
-            await agen.aclose()
-            raise _as_request_error(e) from e
+    async def run_all(items, req) -> list[RequestStream]:
+        """Admit every prompt of a request at once (they batch together); errors surface before streaming."""
+        results = await asyncio.gather(
+            *(engine.add_request(prompt, params, new_id("req"), priority=req.priority, cache_salt=req.cache_salt)
+              for prompt, params in items), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if isinstance(r, RequestStream):
+                    r.close()
+            if isinstance(errors[0], (ValueError, QueueFullError, EngineDeadError)):
+                raise _as_request_error(errors[0]) from errors[0]
+            raise errors[0]
+        return results
 
-        async def rest():
-            try:
-                yield first
-                async for out in agen:
-                    yield out
-            finally:
-                await agen.aclose()
-        return rest()
-
-    async def run_all(items, req) -> list[AsyncIterator[RequestOutput]]:
-        streams = []
-        try:
-            for prompt, params in items:
-                streams.append(await start(prompt, params, req))
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
-        return streams
+    async def prepared(req):
+        # Chat templates and tokenization of long prompts run off the event loop.
+        return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len)
 
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
@@ -162,7 +152,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     async def completions(request: Request):
         req: CompletionRequest = await body_of(request, CompletionRequest)
         check_engine()
-        items = prepare(req, engine.tokenizer, engine.max_model_len)
+        items = await prepared(req)
         streams = await run_all(items, req)
         if req.stream:
             return _sse(_completion_chunks(req, items, streams, model_name, engine.tokenizer, metrics))
@@ -173,7 +163,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
         check_engine()
-        items = prepare(req, engine.tokenizer, engine.max_model_len)
+        items = await prepared(req)
         streams = await run_all(items, req)
         if req.stream:
             return _sse(_chat_chunks(req, streams[0], model_name, engine.tokenizer, metrics))
@@ -209,22 +199,21 @@ async def _finals(request: Request, streams, metrics: ServerMetrics) -> list[Req
             pass
         metrics.observe(out.metrics)
         return out
-    tasks = [asyncio.ensure_future(last(s)) for s in streams]
-    gathered = asyncio.gather(*tasks)
+    gathered = asyncio.gather(*(last(s) for s in streams))
     try:
         while True:
             done, _ = await asyncio.wait({gathered}, timeout=0.5)
             if done:
                 return gathered.result()
             if await request.is_disconnected():
-                break
-    except BaseException:
-        gathered.cancel()
-        raise
-    gathered.cancel()
-    for s in streams:
-        await s.aclose()
-    raise asyncio.CancelledError("client disconnected")
+                raise asyncio.CancelledError("client disconnected")
+    except (EngineDeadError, QueueFullError, ValueError) as e:
+        raise _as_request_error(e) from e
+    finally:
+        if not gathered.done():
+            gathered.cancel()
+        for s in streams:
+            s.close()
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -247,7 +236,7 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             async for out in s:
                 await queue.put((i, out, None))
-        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
             await queue.put((i, None, e))
             return
         await queue.put((i, None, None))
@@ -265,8 +254,9 @@ async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
-            await s.aclose()
+            s.close()
 
 
 async def _completion_chunks(req: CompletionRequest, items, streams, model: str, tokenizer,
@@ -327,24 +317,27 @@ async def _chat_chunks(req: ChatCompletionRequest, stream, model: str, tokenizer
             c["usage"] = usage_
         return c
 
-    for index in range(req.n):
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     last = None
-    async for out in stream:
-        last = out
-        for c in out.outputs:
-            start, ntok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-            delta, new_tokens = c.text[start:], c.token_ids[ntok:]
-            if not delta and not new_tokens and c.finish_reason is None:
-                continue
-            sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-            lp = chat_logprobs(tokenizer, new_tokens, (c.logprobs or [])[ntok:], req.top_logprobs or 0) \
-                if req.logprobs else None
-            yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+    try:
+        for index in range(req.n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for out in stream:
+            last = out
+            for c in out.outputs:
+                start, ntok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                delta, new_tokens = c.text[start:], c.token_ids[ntok:]
+                if not delta and not new_tokens and c.finish_reason is None:
+                    continue
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                lp = chat_logprobs(tokenizer, new_tokens, (c.logprobs or [])[ntok:], req.top_logprobs or 0) \
+                    if req.logprobs else None
+                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+    finally:
+        stream.close()   # a client that went away aborts the request
     if last is not None:
         metrics.observe(last.metrics)
         if include_usage:

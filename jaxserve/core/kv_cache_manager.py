@@ -52,10 +52,12 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit = len(blocks) * self.block_size
-        self.stats.queries += request.num_tokens
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's lookup (not the retries of a request that had to wait)."""
+        self.stats.queries += num_tokens
         self.stats.hits += num_hit
-        return blocks, num_hit
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVCacheBlock] | None = None,

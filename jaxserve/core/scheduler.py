@@ -140,8 +140,10 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:   # first admission (not a resume after preemption)
                 request.num_cached_tokens = num_computed
+                if cfg.enable_prefix_caching:
+                    self.kv.record_prefix_lookup(request.num_tokens, num_computed)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(NewRequestData(
                 req_id=request.request_id,

@@ -72,12 +72,13 @@ class AsyncEngine:
 
     # ---- requests --------------------------------------------------------------------
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs of one request until it finishes.
+    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                          request_id: str | None = None, **kwargs: Any) -> "RequestStream":
+        """Queue a request and wait until the engine accepted it; returns its output stream.
 
-        Raises ValueError for a bad request (before anything is yielded) and EngineDeadError
-        if the engine loop is dead. Stopping the iteration early aborts the request.
+        Raises ValueError for a bad request, QueueFullError past --max-num-queued-requests and
+        EngineDeadError if the engine loop is dead. The caller must iterate the stream to its end
+        or `aclose()` it (which aborts the request).
         """
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
@@ -86,31 +87,35 @@ class AsyncEngine:
                                  f"the limit (--max-num-queued-requests) is {self.max_num_queued_requests}")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(self, request_id)
         accepted = loop.create_future()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, stream)
+            self._streams[request_id] = (loop, stream.queue)
         self._commands.put(("add", request_id, prompt, params or SamplingParams(), kwargs, loop, accepted))
         if self._error is not None and not accepted.done():  # died after the check above
             accepted.set_exception(EngineDeadError(f"the engine is not running: {self._error!r}"))
-        finished = False
         try:
-            await accepted        # raises the engine's ValueError for a bad request
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            await accepted
+        except BaseException:
+            stream.close(abort=True)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs of one request until it finishes; stopping early aborts it."""
+        stream = await self.add_request(prompt, params, request_id, **kwargs)
+        try:
+            async for out in stream:
+                yield out
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+            stream.close(abort=True)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -200,6 +205,44 @@ class AsyncEngine:
 
 class QueueFullError(RuntimeError):
     """Too many requests in flight (--max-num-queued-requests)."""
+
+
+class RequestStream:
+    """Outputs of one accepted request, in order; closing it before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close(abort=False)
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close(abort=False)
+        return item
+
+    def close(self, abort: bool = True) -> None:
+        """Stop listening; aborts the request unless it already finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine._forget(self.request_id)
+        if abort and not self.finished:
+            self.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close(abort=True)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None) -> None:

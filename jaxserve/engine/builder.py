@@ -90,6 +90,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_blocks = config.num_kv_blocks or max(
         2, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(model_config, config.block_size, config.dtype))
 
+    capacity = (num_blocks - 1) * config.block_size
+    if capacity < max_model_len:
+        if config.max_model_len is not None:
+            raise ValueError(f"the KV pool holds {capacity} tokens ({num_blocks - 1} blocks of {config.block_size}), "
+                             f"less than max_model_len={max_model_len}: raise --num-kv-blocks / "
+                             "--kv-cache-memory-gb or lower --max-model-len")
+        logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", capacity, max_model_len)
+        max_model_len = capacity
     scheduler = Scheduler(SchedulerConfig(
         max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,

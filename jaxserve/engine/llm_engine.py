@@ -18,6 +18,7 @@ from jaxserve.core import EngineCoreOutput, Request, RequestStatus, SamplingPara
 from jaxserve.engine.builder import build_engine_parts
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
+from jaxserve.runner.inputs import MAX_BANNED
 
 PromptType = str | list[int] | dict
 
@@ -101,8 +102,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        params = self._check_params(params, vocab)
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise ValueError(f"priority={priority} needs --scheduling-policy priority (the engine runs "
+                             f"{self.scheduler.config.policy!r})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival))
         eos = self.tokenizer.eos_token_ids
@@ -125,6 +128,21 @@ class LLMEngine:
         self._requests[request_id] = state
         for seq in state.seqs:
             self._core_to_seq[seq.core_id] = (state, seq)
+
+    def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """Engine-dependent limits of SamplingParams (the vocabulary, max_logprobs, banned-id slots)."""
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids={params.stop_token_ids!r} has id {bad[0]} outside the vocabulary "
+                             f"[0, {vocab})")
+        if params.min_tokens and len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > MAX_BANNED:
+            raise ValueError(f"with min_tokens, at most {MAX_BANNED - len(self.tokenizer.eos_token_ids)} "
+                             f"stop_token_ids are supported, got {len(params.stop_token_ids)}")
+        if params.top_k >= vocab:
+            params = params.clone(top_k=0)   # keeping the whole vocabulary is no truncation at all
+        return params
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); returns their final outputs."""
@@ -191,7 +209,10 @@ class LLMEngine:
             for token_id, lp in zip(co.new_token_ids, co.new_logprobs):
                 seq.logprobs.append(logprobs_dict(token_id, lp))
                 seq.cumulative_logprob += lp.token_logprob
-        stop = seq.detok.update(co.new_token_ids)
+        new_ids = co.new_token_ids
+        if co.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]   # EOS or a stop token id: its text is not part of the output (as vLLM)
+        stop = seq.detok.update(new_ids)
         if co.finished and stop is None:
             stop = seq.detok.flush()
         if stop is not None:

@@ -8,6 +8,7 @@ jitted step never recompiles after warm-up. Testable without a device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -47,6 +48,17 @@ class StepInputs:
     want_logprobs: jax.Array     # [] bool: some row asked for top-N logprobs
     attn: AttentionMetadata
     sampling: SamplingMetadata
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+@functools.lru_cache(maxsize=32)
+def _no_tokens(num_seqs: int, length: int) -> np.ndarray:
+    a = np.full((num_seqs, length), -1, np.int32)
+    a.flags.writeable = False
+    return a
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
@@ -100,8 +112,12 @@ def prepare_inputs(
     repetition = np.ones(S, np.float32)
     seeds = np.zeros(S, np.uint32)
     sample_index = np.zeros(S, np.int32)
-    output_ids = np.full((S, max_model_len), -1, np.int32)
-    prompt_ids = np.full((S, max_model_len), -1, np.int32)
+    penalised = [i for i, (st, _) in enumerate(scheduled) if _uses_penalties(st.sampling_params)]
+    if penalised:
+        output_ids = np.full((S, max_model_len), -1, np.int32)
+        prompt_ids = np.full((S, max_model_len), -1, np.int32)
+    else:   # the common case: one shared read-only array of padding, nothing to fill
+        output_ids = prompt_ids = _no_tokens(S, max_model_len)
     want_logprobs = False
 
     t = 0
@@ -124,7 +140,7 @@ def prepare_inputs(
         seeds[i] = st.seed & 0xFFFFFFFF
         sample_index[i] = st.num_output_tokens
         want_logprobs |= bool(p.logprobs)
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        if penalised and _uses_penalties(p):
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             output_ids[i, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
             prompt_ids[i, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]

@@ -128,3 +128,21 @@ def test_chat_applies_the_template(llm):
     tok = llm.get_tokenizer()
     expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False)
     assert out.prompt_token_ids == expected and len(out.outputs[0].token_ids) == 3
+
+
+def test_stop_token_text_is_not_in_the_output(llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["abc"], greedy, use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(["abc"], greedy.clone(stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == free.token_ids[:first + 1]           # the stop token is in token_ids ...
+    assert out.text == tok.decode(free.token_ids[:first])         # ... but not in the text
+
+
+def test_kv_pool_smaller_than_the_context_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="KV pool holds 48 tokens.*less than max_model_len=128"):
+        LLM(str(tiny_models["llama"]), num_kv_blocks=4, max_model_len=128, max_num_batched_tokens=16,
+            max_num_seqs=4, token_buckets=(16,))

@@ -148,3 +148,43 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
         assert_error(post(srv, "/v1/completions", {"prompt": "x"}), 503)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "hi", "top_k": 10**10, "max_tokens": 2}, 200, None),           # keeps the whole vocab: no cut
+    ({"prompt": "hi", "stop_token_ids": [2**32], "max_tokens": 2}, 400, None),
+    ({"prompt": "hi", "n": 129}, 400, "n"),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy
+])
+def test_out_of_range_values_fail_only_their_request(server, body, status, param):
+    r = post(server, "/v1/completions", body)
+    if status == 200:
+        assert r.status_code == 200, r.text
+    else:
+        assert_error(r, status, param)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_streaming_chat_disconnects_abort_too(server):
+    async def cut(client):
+        body = {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 90, "stream": True,
+                "ignore_eos": True}
+        async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"content"' in line and '"role"' not in line:
+                    return
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(cut(client) for _ in range(8)))
+    free_before = metric(server.url, "jaxserve:kv_cache_free_blocks")
+    asyncio.run(main())
+    for _ in range(300):
+        if metric(server.url, "jaxserve:num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert metric(server.url, "jaxserve:num_requests_running") == 0
+    assert metric(server.url, "jaxserve:kv_cache_free_blocks") == free_before
