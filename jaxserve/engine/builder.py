@@ -55,8 +55,13 @@ def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0):
     model_config = ModelConfig.from_hf_config(checkpoint.config)
     cls = get_model_class(model_config)
     jdtype = _DTYPES[dtype]
-    model = cls(model_config, dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(seed))
+    # Built abstractly (no random init of weights that are about to be replaced), then filled.
+    model = nnx.eval_shape(lambda: cls(model_config, dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(seed)))
     load_weights(model, checkpoint.tensors)
+    unfilled = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+                if not isinstance(leaf, jax.Array)]
+    if unfilled:
+        raise ValueError(f"the checkpoint left params unset: {', '.join(unfilled[:5])}")
     return model, model_config
 
 

@@ -148,4 +148,4 @@ def load_weights(model: LlamaForCausalLM, tensors: Mapping[str, np.ndarray]) -> 
                 f"checkpoint tensor {name} has shape {tuple(np.shape(tensors[name]))}, "
                 f"which does not fit param {path} of shape {tuple(var.shape)}"
             )
-        var[...] = jnp.asarray(value, dtype=var.dtype)
+        var.set_value(jnp.asarray(value, dtype=var.dtype))   # also fills an abstract (eval_shape) model
