@@ -115,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)   # e.g. "Unable to initialize backend 'tpu'" on CPU
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -71,7 +71,18 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -
             * model_config.num_hidden_layers)
 
 
+def check_supported(config: EngineConfig) -> None:
+    """Options that are named in the API but not built yet fail loudly instead of being ignored."""
+    if config.attention_backend in ("pallas_gpu", "pallas_tpu"):
+        raise ValueError(f"attention_backend={config.attention_backend!r} is not available yet; "
+                         "use 'auto' or 'reference' (the pure-jnp ragged paged attention)")
+    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} / data_parallel_size="
+                         f"{config.data_parallel_size}: only 1 is supported so far (one device)")
+
+
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    check_supported(config)
     times = {}
     t0 = time.perf_counter()
     enable_compilation_cache(config.compilation_cache_dir)

@@ -146,3 +146,11 @@ def test_kv_pool_smaller_than_the_context_is_refused(tiny_models):
     with pytest.raises(ValueError, match="KV pool holds 48 tokens.*less than max_model_len=128"):
         LLM(str(tiny_models["llama"]), num_kv_blocks=4, max_model_len=128, max_num_batched_tokens=16,
             max_num_seqs=4, token_buckets=(16,))
+
+
+@pytest.mark.parametrize("option,match", [({"attention_backend": "pallas_gpu"}, "not available yet"),
+                                          ({"tensor_parallel_size": 2}, "only 1 is supported"),
+                                          ({"dtype": "float64"}, "dtype='float64' must be one of")])
+def test_options_not_built_yet_fail_loudly(tiny_models, option, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_models["llama"]), **option)
