@@ -61,13 +61,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         return await call_next(request)
 
     async def body_of(request: Request, model):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        req = parse(model, body)
+        req = parse(model, await _json(request))
         if getattr(req, "model", None) not in (None, model_name):
             raise RequestError(f"The model `{req.model}` does not exist.", status=404, param="model",
                                type="NotFoundError")
@@ -148,12 +142,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
             raise RequestError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(ids)}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req: CompletionRequest = await body_of(request, CompletionRequest)
+    async def admit(request: Request, model):
+        """Validate the body, then queue every prompt of it on the engine."""
+        req = await body_of(request, model)
         check_engine()
         items = await prepared(req)
-        streams = await run_all(items, req)
+        return req, items, await run_all(items, req)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, items, streams = await admit(request, CompletionRequest)
         if req.stream:
             return _sse(_completion_chunks(req, items, streams, model_name, engine.tokenizer, metrics))
         outputs = await _finals(request, streams, metrics)
@@ -161,10 +159,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
-        check_engine()
-        items = await prepared(req)
-        streams = await run_all(items, req)
+        req, _, streams = await admit(request, ChatCompletionRequest)
         if req.stream:
             return _sse(_chat_chunks(req, streams[0], model_name, engine.tokenizer, metrics))
         (output,) = await _finals(request, streams, metrics)
