@@ -16,7 +16,7 @@ import time
 from jaxserve.core import ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
 
 
-def fake_output(out, vocab=50_000):
+def fake_output(out):
     req_ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids])
 

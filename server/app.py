@@ -179,9 +179,7 @@ async def _json(request: Request) -> dict:
 
 
 def _as_request_error(e: Exception) -> RequestError:
-    if isinstance(e, QueueFullError):
-        return RequestError(str(e), status=503, type="service_unavailable")
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (QueueFullError, EngineDeadError)):
         return RequestError(str(e), status=503, type="service_unavailable")
     return RequestError(str(e))
 

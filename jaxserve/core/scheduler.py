@@ -14,7 +14,7 @@ import random
 
 from jaxserve.core.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
+from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                    NewRequestData, SchedulerOutput)
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_queue
@@ -243,5 +243,3 @@ class Scheduler:
     def kv_usage(self) -> float:
         return self.kv.usage
 
-
-__all__ = ["Scheduler", "Logprobs"]

@@ -90,10 +90,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
     times["load_checkpoint"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    model, model_config = build_model(checkpoint, config.dtype, config.seed)
-    times["build_model"] = time.perf_counter() - t0
-
+    # Every check that needs only the config runs before the (seconds-long) model build.
+    model_config = ModelConfig.from_hf_config(checkpoint.config)
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -119,6 +117,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,
         enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
         long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy))
+
+    t0 = time.perf_counter()
+    model, model_config = build_model(checkpoint, config.dtype, config.seed)
+    times["build_model"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
