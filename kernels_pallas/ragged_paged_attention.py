@@ -35,7 +35,7 @@ _F32 = jnp.float32
 
 def check_ragged_paged_attention_inputs(
     q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
-    sm_scale, sliding_window=None,
+    sm_scale, sliding_window=None, soft_cap=None,
 ) -> None:
     """Raise ValueError naming the offending argument if shapes or dtypes disagree."""
     if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
@@ -62,6 +62,9 @@ def check_ragged_paged_attention_inputs(
         raise ValueError(f"sm_scale must be a Python float (it is static), got {sm_scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or isinstance(soft_cap, bool)
+                                 or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be None or a positive Python float, got {soft_cap!r}")
 
 
 def _check_kv_cache(kv_cache) -> None:
@@ -113,6 +116,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     query_tile: int = 32,
     kv_pages_per_chunk: int = 8,
     decode_query_len: int = 1,
@@ -120,7 +124,9 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:
     """Causal attention of each sequence's queries over its paged context -> [T, num_q_heads, head_dim].
 
-    Rows not owned by a real sequence are 0. Static knobs: `query_tile` rows per prefill
+    Logits are `sm_scale * q.k`, soft-capped to `soft_cap * tanh(logits / soft_cap)` when
+    `soft_cap` is given (Gemma-style), then masked causally (and to the last
+    `sliding_window` positions when given). Rows not owned by a real sequence are 0. Static knobs: `query_tile` rows per prefill
     tile, `kv_pages_per_chunk` pages per KV chunk, sequences with at most
     `decode_query_len` queries go through the batched decode path (0 turns it off),
     `decode_seq_tile` of them at a time. The defaults were picked with
@@ -130,19 +136,20 @@ def ragged_paged_attention_reference(
     # by name share one compiled program (jax.jit keys its cache on the kwargs given).
     return _ragged_paged_attention(
         q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, query_tile=query_tile,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, query_tile=query_tile,
         kv_pages_per_chunk=kv_pages_per_chunk, decode_query_len=decode_query_len,
         decode_seq_tile=decode_seq_tile)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "query_tile", "kv_pages_per_chunk", "decode_query_len", "decode_seq_tile"))
+    "sm_scale", "sliding_window", "soft_cap", "query_tile", "kv_pages_per_chunk", "decode_query_len",
+    "decode_seq_tile"))
 def _ragged_paged_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
-                            sm_scale, sliding_window, query_tile, kv_pages_per_chunk, decode_query_len,
+                            sm_scale, sliding_window, soft_cap, query_tile, kv_pages_per_chunk, decode_query_len,
                             decode_seq_tile):
     check_ragged_paged_attention_inputs(
         q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window)
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     for name, knob, least in (("query_tile", query_tile, 1), ("kv_pages_per_chunk", kv_pages_per_chunk, 1),
                               ("decode_query_len", decode_query_len, 0),
                               ("decode_seq_tile", decode_seq_tile, 1)):
@@ -170,7 +177,7 @@ def _ragged_paged_attention(q, kv_cache, block_tables, context_lens, query_start
     is_long = q_lens > decode_query_len
     order = jnp.argsort(jnp.where(is_short, 0, jnp.where(is_long, 1, 2)), stable=True).astype(jnp.int32)
     num_short, num_long = is_short.sum(dtype=jnp.int32), is_long.sum(dtype=jnp.int32)
-    knobs = dict(sliding_window=sliding_window, chunk=chunk)
+    knobs = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk)
     if decode_query_len > 0:
         out = _short_sequences(qs, out, kv_cache, seqs, order, num_short, rows=decode_query_len,
                                seq_tile=decode_seq_tile, **knobs)
@@ -197,9 +204,11 @@ def _key_mask(key_pos, q_pos, sliding_window):
     return mask
 
 
-def _softmax_update(state, scores, mask, v, pv_eq):
-    """One online-softmax step: fold masked `scores` [..., R, K] and `v` into (max, sum, acc)."""
+def _softmax_update(state, scores, mask, v, pv_eq, soft_cap):
+    """One online-softmax step: fold (soft-capped, then masked) `scores` [..., R, K] and `v` into (max, sum, acc)."""
     m, l, acc = state
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask, scores, -jnp.inf)
     m_new = jnp.maximum(m, scores.max(-1))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: keep exp finite
@@ -246,7 +255,7 @@ def _gather_pages(kv_cache, rows, key_ok):
     return gather(rows[0]), jnp.where(key_ok[..., None], gather(rows[1]), 0.0)
 
 
-def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, sliding_window, chunk):
+def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, sliding_window, soft_cap, chunk):
     """Sequences with 1..`rows` queries, `seq_tile` at a time, batched over the group."""
     _, num_kv_heads, group, head_dim = qs.shape
     block_size = kv_cache.shape[3]
@@ -283,7 +292,7 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
             k, v = _gather_pages(kv_cache, rows, key_pos < ctx[:, None])  # [KVH, G, CT, D]
             scores = jnp.einsum("hgrd,hgkd->hgrk", qg, k)
             mask = _key_mask(key_pos, q_pos, sliding_window)       # [G, R, CT]
-            return _softmax_update(state, scores, mask, v, "hgrk,hgkd->hgrd")
+            return _softmax_update(state, scores, mask, v, "hgrk,hgkd->hgrd", soft_cap)
 
         state = (jnp.full((num_kv_heads, seq_tile, num_rows), -jnp.inf, _F32),
                  jnp.zeros((num_kv_heads, seq_tile, num_rows), _F32),
@@ -295,7 +304,7 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
     return lax.fori_loop(0, _cdiv(count, seq_tile), group_body, out)
 
 
-def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile, sliding_window, chunk):
+def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile, sliding_window, soft_cap, chunk):
     """Sequences with more queries than the decode path takes, one at a time, in query tiles."""
     _, num_kv_heads, group, head_dim = qs.shape
     block_size = kv_cache.shape[3]
@@ -326,7 +335,7 @@ def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile,
                 k, v = _gather_pages(kv_cache, rows, key_pos < ctx)             # [KVH, CT, D]
                 scores = jnp.einsum("hrd,hkd->hrk", qt, k)
                 mask = _key_mask(key_pos, q_pos, sliding_window)                # [R, CT]
-                return _softmax_update(state, scores, mask, v, "hrk,hkd->hrd")
+                return _softmax_update(state, scores, mask, v, "hrk,hkd->hrd", soft_cap)
 
             state = (jnp.full((num_kv_heads, num_rows), -jnp.inf, _F32),
                      jnp.zeros((num_kv_heads, num_rows), _F32), jnp.zeros_like(qt))

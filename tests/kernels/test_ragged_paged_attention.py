@@ -39,7 +39,7 @@ KNOBS = {
 
 
 def naive_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
-                    sm_scale, sliding_window=None):
+                    sm_scale, sliding_window=None, soft_cap=None):
     """Float64 oracle: each query token gathers its keys one position at a time."""
     q = np.asarray(q, np.float64)
     cache = np.asarray(kv_cache, np.float64)
@@ -57,6 +57,8 @@ def naive_attention(q, kv_cache, block_tables, context_lens, query_start_loc, nu
             vals = np.array([cache[1, :, block, offset] for block, offset in slots])
             for h in range(num_heads):
                 scores = sm_scale * keys[:, h // group] @ q[start + j, h]
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
                 weights = np.exp(scores - scores.max())
                 out[start + j, h] = weights @ vals[:, h // group] / weights.sum()
     return out
@@ -103,22 +105,28 @@ EXTRA = {
     "gqa_group1": dict(seqs=DECODES + [(30, 14)], group=1),
     "gqa_group3": dict(seqs=DECODES + [(30, 14)], group=3),  # group 3, as the default model's 9 / 3
     "sliding_window": dict(seqs=[(17, 1), (12, 12), (48, 16), (30, 2), (64, 1), (5, 3)], sliding_window=5),
+    # q scaled up so logits reach ~10, where a cap of 2.5 bends them hard (tanh saturates)
+    "soft_cap": dict(seqs=[(17, 1), (12, 12), (48, 16), (30, 2), (64, 1)], soft_cap=2.5, q_scale=4.0),
 }
 CASES = [pytest.param(dict(seqs=seqs), knobs, id=f"{name}-{kname}")
          for name, seqs in SCENARIOS.items() for kname, knobs in KNOBS.items()]
 CASES += [pytest.param(case, KNOBS["small_tiles"], id=f"{name}-small_tiles") for name, case in EXTRA.items()]
-CASES += [pytest.param(EXTRA["sliding_window"], KNOBS["default"], id="sliding_window-default")]
+CASES += [pytest.param(EXTRA[name], KNOBS["default"], id=f"{name}-default") for name in ("sliding_window", "soft_cap")]
 SM_SCALE = 8 ** -0.5  # 1 / sqrt(head_dim) of the base shapes; one static value, one compile
 
 
 @pytest.mark.parametrize("case, knobs", CASES)
 def test_matches_naive_oracle(case, knobs):
     case = dict(case)
-    sliding_window = case.pop("sliding_window", None)
+    masking = dict(sliding_window=case.pop("sliding_window", None), soft_cap=case.pop("soft_cap", None))
+    q_scale = case.pop("q_scale", 1.0)
     args = make_batch(case.pop("seqs"), **case)
-    got = ragged_paged_attention_reference(*map(jnp.asarray, args), sm_scale=SM_SCALE,
-                                           sliding_window=sliding_window, **knobs)
-    want = naive_attention(*args, sm_scale=SM_SCALE, sliding_window=sliding_window)
+    args = (args[0] * np.float32(q_scale), *args[1:])
+    got = ragged_paged_attention_reference(*map(jnp.asarray, args), sm_scale=SM_SCALE, **masking, **knobs)
+    want = naive_attention(*args, sm_scale=SM_SCALE, **masking)
+    if masking["soft_cap"] is not None:  # the cap must matter at these logits, or the case tests nothing
+        uncapped = naive_attention(*args, sm_scale=SM_SCALE, sliding_window=masking["sliding_window"])
+        assert np.abs(uncapped - want).max() > 0.1
     assert got.dtype == jnp.float32 and got.shape == args[0].shape
     np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
     owned = int(args[4][int(args[5])])
@@ -226,10 +234,11 @@ def test_bad_inputs_raise_value_error_naming_them(bad, message):
         ragged_paged_attention_reference(**args, sm_scale=1.0)
 
 
-def test_bad_knobs_raise_value_error_naming_them():
+@pytest.mark.parametrize("knob", [{"sliding_window": 0}, {"soft_cap": 0.0}, {"soft_cap": -1.0}])
+def test_bad_knobs_raise_value_error_naming_them(knob):
     args = map(jnp.asarray, make_batch([(5, 1)]))
-    with pytest.raises(ValueError, match="sliding_window"):
-        ragged_paged_attention_reference(*args, sm_scale=1.0, sliding_window=0)
+    with pytest.raises(ValueError, match=next(iter(knob))):
+        ragged_paged_attention_reference(*args, sm_scale=1.0, **knob)
 
 
 def test_write_kv_cache_puts_values_at_their_slots():
