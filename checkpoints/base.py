@@ -27,6 +27,7 @@ class Checkpoint:
     tokenizer_config: dict[str, Any]  # tokenizer_config.json (chat_template, bos_token, eos_token, ...)
     generation_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # may be empty
     path: str = ""  # folder the checkpoint was read from (for a GGUF: its converted folder)
+    params_path: str = ""  # an Orbax checkpoint's params (already in the model's layout); tensors is then empty
 
     @property
     def architecture(self) -> str:

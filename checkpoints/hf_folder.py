@@ -45,7 +45,7 @@ def _read_json_object(path: Path, *, required: bool = True) -> dict | None:
     return value
 
 
-def _read_config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict:
     path = folder / "config.json"
     config = _read_json_object(path)
     if not config.get("architectures"):
@@ -108,8 +108,13 @@ def load_hf_folder(path: str | os.PathLike, *, name: str | None = None) -> Check
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory (expected a Hugging Face model folder)")
-    config = _read_config(folder)
-    tensors = _load_weights(folder)
+    config = read_config(folder)
+    return folder_checkpoint(folder, config=config, tensors=_load_weights(folder), name=name)
+
+
+def folder_checkpoint(folder: Path, *, config: dict, tensors, name: str | None = None,
+                      params_path: str = "") -> Checkpoint:
+    """A Checkpoint of `folder`'s tokenizer files, generation config and the given weights."""
     tokenizer_json = folder / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise CheckpointError(f"{tokenizer_json}: missing (only fast tokenizers in tokenizer.json are supported)")
@@ -126,4 +131,5 @@ def load_hf_folder(path: str | os.PathLike, *, name: str | None = None) -> Check
         tokenizer_config=tokenizer_config,
         generation_config=generation_config,
         path=str(folder),
+        params_path=params_path,
     )

@@ -1,7 +1,8 @@
 """The device mesh and the placement of params and the KV pool on it.
 
-Axes are ("dp", "tp"). Placement is data: a table of PartitionSpecs by logical role. With
-one device every spec is trivially satisfied; tensor parallelism only adds rules here.
+Axes are ("dp", "tp"). Each data-parallel replica runs on one row of the mesh (its own
+(1, tp) sub-mesh, `replica_meshes`); params follow `sharding.rules.PARAM_RULES` and the KV
+pool is split over KV heads on `tp`.
 """
 
 from __future__ import annotations
@@ -30,3 +31,9 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One ("dp", "tp") mesh of size (1, tp) per data-parallel replica (each row of `mesh`)."""
+    return [Mesh(mesh.devices[i:i + 1], mesh.axis_names, axis_types=mesh.axis_types)
+            for i in range(mesh.devices.shape[0])]

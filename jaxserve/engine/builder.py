@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints import Checkpoint, load_checkpoint
+from checkpoints import Checkpoint, load_checkpoint, restore_orbax_params
 from jaxserve.config import EngineConfig
 from jaxserve.core import Scheduler, SchedulerConfig
 from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
-from sharding import make_mesh
+from sharding import (check_tensor_parallel, kv_head_replicas, make_mesh, param_shardings, replica_meshes,
+                      replicate_kv_heads)
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +32,29 @@ DEFAULT_MAX_MODEL_LEN = 4096   # cap on the model's own context when --max-model
 
 
 @dataclasses.dataclass
+class Replica:
+    """One data-parallel replica: its own scheduler and KV pool, its runner on its own devices."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+@dataclasses.dataclass
 class EngineParts:
     config: EngineConfig
     checkpoint_name: str
     model_config: ModelConfig
     tokenizer: Tokenizer
-    scheduler: Scheduler
-    runner: ModelRunner
+    replicas: list[Replica]           # data-parallel replicas (one unless data_parallel_size > 1)
     startup_seconds: dict[str, float]
+
+    @property
+    def scheduler(self) -> Scheduler:   # the first replica's
+        return self.replicas[0].scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.replicas[0].runner
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -51,18 +67,41 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0):
+def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0, *, mesh: jax.sharding.Mesh | None = None):
+    """(model, model_config): filled from the checkpoint's tensors, or restored from its Orbax
+    params straight into their shardings on `mesh` (sharding.PARAM_RULES)."""
     model_config = ModelConfig.from_hf_config(checkpoint.config)
-    cls = get_model_class(model_config)
-    jdtype = _DTYPES[dtype]
     # Built abstractly (no random init of weights that are about to be replaced), then filled.
-    model = nnx.eval_shape(lambda: cls(model_config, dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(seed)))
-    load_weights(model, checkpoint.tensors)
+    model = _abstract_model(model_config, dtype, seed)
+    if checkpoint.params_path:
+        graphdef, abstract = nnx.split(model)
+        target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                              abstract, param_shardings(abstract, mesh or make_mesh()))
+        nnx.replace_by_pure_dict(abstract, restore_orbax_params(checkpoint.params_path, nnx.to_pure_dict(target)))
+        model = nnx.merge(graphdef, abstract)
+    else:
+        load_weights(model, checkpoint.tensors)
     unfilled = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))
                 if not isinstance(leaf, jax.Array)]
     if unfilled:
         raise ValueError(f"the checkpoint left params unset: {', '.join(unfilled[:5])}")
     return model, model_config
+
+
+def _abstract_model(model_config: ModelConfig, dtype: str, seed: int):
+    cls = get_model_class(model_config)
+    jdtype = _DTYPES[dtype]
+    return nnx.eval_shape(lambda: cls(model_config, dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(seed)))
+
+
+def with_replicated_kv_heads(model, model_config: ModelConfig, replicas: int, dtype: str):
+    """The model with every KV head repeated `replicas` times (tensor parallelism beyond the KV heads)."""
+    if replicas == 1:
+        return model, model_config
+    wide_config = dataclasses.replace(model_config, num_key_value_heads=model_config.num_key_value_heads * replicas)
+    graphdef, state = nnx.split(_abstract_model(wide_config, dtype, 0))
+    nnx.replace_by_pure_dict(state, replicate_kv_heads(nnx.to_pure_dict(nnx.state(model)), replicas))
+    return nnx.merge(graphdef, state), wide_config
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
@@ -76,9 +115,6 @@ def check_supported(config: EngineConfig) -> None:
     if config.attention_backend in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention_backend={config.attention_backend!r} is not available yet; "
                          "use 'auto' or 'reference' (the pure-jnp ragged paged attention)")
-    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} / data_parallel_size="
-                         f"{config.data_parallel_size}: only 1 is supported so far (one device)")
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -92,6 +128,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     # Every check that needs only the config runs before the (seconds-long) model build.
     model_config = ModelConfig.from_hf_config(checkpoint.config)
+    mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+    check_tensor_parallel(model_config.num_attention_heads, model_config.num_key_value_heads,
+                          model_config.intermediate_size, config.tensor_parallel_size, len(jax.devices()))
+    kv_replicas = kv_head_replicas(model_config.num_key_value_heads, config.tensor_parallel_size)
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -102,7 +142,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.max_logprobs > model_config.vocab_size:
         raise ValueError(f"max_logprobs={config.max_logprobs} exceeds the vocabulary ({model_config.vocab_size})")
     num_blocks = config.num_kv_blocks or max(
-        2, int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(model_config, config.block_size, config.dtype))
+        2, int(config.kv_cache_memory_gb * 2**30)
+        // (kv_replicas * kv_bytes_per_block(model_config, config.block_size, config.dtype)))
 
     capacity = (num_blocks - 1) * config.block_size
     if capacity < max_model_len:
@@ -112,27 +153,32 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                              "--kv-cache-memory-gb or lower --max-model-len")
         logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", capacity, max_model_len)
         max_model_len = capacity
-    scheduler = Scheduler(SchedulerConfig(
+    scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,
         enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy))
+        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy)
 
     t0 = time.perf_counter()
-    model, model_config = build_model(checkpoint, config.dtype, config.seed)
+    meshes = replica_meshes(mesh)
+    model, model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0])
+    model, model_config = with_replicated_kv_heads(model, model_config, kv_replicas, config.dtype)
     times["build_model"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size)
-    runner = ModelRunner(
-        model, model_config, block_size=config.block_size, num_blocks=num_blocks,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
-        kv_dtype=_DTYPES[config.dtype], mesh=mesh, buckets=config.token_buckets)
+    replicas = []
+    for replica_mesh in meshes:
+        runner = ModelRunner(
+            model, model_config, block_size=config.block_size, num_blocks=num_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
+            kv_dtype=_DTYPES[config.dtype], mesh=replica_mesh, buckets=config.token_buckets)
+        runner.warmup()
+        replicas.append(Replica(Scheduler(scheduler_config), runner))
     del model
-    runner.warmup()
     times["warmup"] = time.perf_counter() - t0
-    logger.info("engine ready: %s, %d KV blocks of %d, max_model_len %d, start-up %s", checkpoint.name,
-                num_blocks, config.block_size, max_model_len, {k: round(v, 2) for k, v in times.items()})
+    logger.info("engine ready: %s, %d replica(s) x tp %d, %d KV blocks of %d each, max_model_len %d, start-up %s",
+                checkpoint.name, len(replicas), config.tensor_parallel_size, num_blocks, config.block_size,
+                max_model_len, {k: round(v, 2) for k, v in times.items()})
     return EngineParts(config=config, checkpoint_name=checkpoint.name, model_config=model_config,
-                       tokenizer=tokenizer, scheduler=scheduler, runner=runner, startup_seconds=times)
+                       tokenizer=tokenizer, replicas=replicas, startup_seconds=times)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from jaxserve.config import EngineConfig
 from jaxserve.core import EngineCoreOutput, Request, RequestStatus, SamplingParams
-from jaxserve.engine.builder import build_engine_parts
+from jaxserve.engine.builder import Replica, build_engine_parts
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
 from jaxserve.runner.inputs import MAX_BANNED
@@ -59,12 +59,15 @@ class LLMEngine:
         self.model_name = parts.checkpoint_name
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
+        self.replicas = parts.replicas
+        # The first replica's scheduler and runner (the only ones unless data_parallel_size > 1).
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.startup_seconds = parts.startup_seconds
         self.max_model_len = self.scheduler.config.max_model_len
         self._requests: dict[str, _RequestState] = {}
         self._core_to_seq: dict[str, tuple[_RequestState, _Sequence]] = {}
+        self._replica_of: dict[str, Replica] = {}       # core request id -> the replica running it
         self.num_prompt_tokens_total = 0      # prompt tokens computed (not served from the cache)
         self.num_generation_tokens_total = 0
 
@@ -109,6 +112,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival))
         eos = self.tokenizer.eos_token_ids
+        replica = None
         for i in range(params.n):
             core_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seq_params = params
@@ -116,11 +120,13 @@ class LLMEngine:
                 seq_params = params.clone(seed=params.seed + i)   # distinct, reproducible siblings
             request = Request(core_id, token_ids, seq_params, eos_token_ids=eos, arrival_time=arrival,
                               priority=priority, cache_salt=cache_salt)
+            replica = replica or self._route(request)      # siblings share the replica (and the prompt's blocks)
             try:
-                self.scheduler.add_request(request)
+                replica.scheduler.add_request(request)
             except ValueError:
-                self.scheduler.finish_requests([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
+                self._finish_core([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
                 raise
+            self._replica_of[core_id] = replica
             seq = _Sequence(i, core_id, IncrementalDetokenizer(self.tokenizer, token_ids, params),
                             logprobs=[] if params.logprobs is not None else None,
                             cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -154,7 +160,7 @@ class LLMEngine:
             for seq in state.seqs:
                 if seq.finish_reason is None:
                     seq.finish_reason = "abort"
-            self.scheduler.finish_requests([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
+            self._finish_core([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
             outputs.append(self._finish(state))
         return outputs
 
@@ -170,22 +176,48 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------
 
+    def _route(self, request: Request) -> Replica:
+        """The replica for a new request: the least loaded one, preferring one that holds its prefix.
+
+        Among replicas within `max_num_seqs // 4` requests of the least loaded, the one with
+        the longest cached prefix wins; ties go to the least loaded.
+        """
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in self.replicas]
+        slack = max(1, self.config.max_num_seqs // 4)
+        candidates = [i for i, load in enumerate(loads) if load <= min(loads) + slack]
+        hits = {i: self.replicas[i].scheduler.kv.get_computed_blocks(request)[1] for i in candidates}
+        return self.replicas[max(candidates, key=lambda i: (hits[i], -loads[i]))]
+
+    def _finish_core(self, core_ids: list[str], status: RequestStatus) -> None:
+        for core_id in core_ids:
+            replica = self._replica_of.pop(core_id, None)
+            if replica is not None:
+                replica.scheduler.finish_requests([core_id], status)
+
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
         now = time.monotonic()
-        for req_id, n in so.num_scheduled_tokens.items():
-            request = self.scheduler.requests[req_id]
-            before = request.num_computed_tokens - n        # schedule() already advanced it
-            self.num_prompt_tokens_total += max(0, min(n, request.num_prompt_tokens - before))
-        for new in so.scheduled_new_reqs:
-            state, _ = self._core_to_seq[new.req_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-        runner_output = self.runner.execute(so)
-        core_outputs = self.scheduler.update_from_output(so, runner_output)
+        plans = [(replica, replica.scheduler.schedule()) for replica in self.replicas]
+        for replica, so in plans:
+            for req_id, n in so.num_scheduled_tokens.items():
+                request = replica.scheduler.requests[req_id]
+                before = request.num_computed_tokens - n        # schedule() already advanced it
+                self.num_prompt_tokens_total += max(0, min(n, request.num_prompt_tokens - before))
+            for new in so.scheduled_new_reqs:
+                state, _ = self._core_to_seq[new.req_id]
+                if state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
+        # Every replica's step is dispatched before any result is awaited: replicas run together.
+        launched = [(replica, so, replica.runner.launch(so)) for replica, so in plans]
+        core_outputs = []
+        for replica, so, handle in launched:
+            core_outputs += replica.scheduler.update_from_output(so, replica.runner.collect(handle))
         now = time.monotonic()
         changed: dict[str, _RequestState] = {}
         for co in core_outputs:
+            if co.finished:
+                self._replica_of.pop(co.req_id, None)
             entry = self._core_to_seq.get(co.req_id)
             if entry is not None:
                 self._apply(entry[0], entry[1], co, now)
@@ -218,7 +250,7 @@ class LLMEngine:
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
             if not co.finished:
-                self.scheduler.finish_requests([seq.core_id], RequestStatus.FINISHED_STOPPED)
+                self._finish_core([seq.core_id], RequestStatus.FINISHED_STOPPED)
         elif co.finished:
             seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
 
@@ -242,17 +274,18 @@ class LLMEngine:
     # ---- introspection ---------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        s = self.scheduler
+        """Counters and gauges summed over the data-parallel replicas (kv_usage: their mean)."""
+        schedulers = [r.scheduler for r in self.replicas]
         return {
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_usage": s.kv_usage,
-            "kv_free_blocks": s.kv.pool.num_free_blocks,
-            "kv_total_blocks": s.kv.num_usable_blocks,
-            "prefix_cache_queries": s.kv.stats.queries,
-            "prefix_cache_hits": s.kv.stats.hits,
-            "num_preemptions": s.num_preemptions,
-            "compiles_after_warmup": self.runner.compiles_after_warmup,
+            "num_running": sum(s.num_running for s in schedulers),
+            "num_waiting": sum(s.num_waiting for s in schedulers),
+            "kv_usage": sum(s.kv_usage for s in schedulers) / len(schedulers),
+            "kv_free_blocks": sum(s.kv.pool.num_free_blocks for s in schedulers),
+            "kv_total_blocks": sum(s.kv.num_usable_blocks for s in schedulers),
+            "prefix_cache_queries": sum(s.kv.stats.queries for s in schedulers),
+            "prefix_cache_hits": sum(s.kv.stats.hits for s in schedulers),
+            "num_preemptions": sum(s.num_preemptions for s in schedulers),
+            "compiles_after_warmup": sum(r.runner.compiles_after_warmup for r in self.replicas),
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
         }

@@ -11,6 +11,7 @@ any compile after that.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 
@@ -25,7 +26,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.runner.inputs import (RequestState, StepInputs, num_seqs_for_bucket, pick_bucket,
                                     prepare_inputs, token_buckets)
 from jaxserve.runner.sampler import sample
-from sharding import kv_cache_sharding, make_mesh, replicated
+from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class ModelRunner:
         self.mesh = mesh or make_mesh()
 
         self.graphdef, params = nnx.split(model)
-        self.params = jax.device_put(params, replicated(self.mesh))
+        self.params = shard_params(params, self.mesh)      # by sharding.PARAM_RULES (no-op if already placed)
         kv_shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
         kv_sharding = kv_cache_sharding(self.mesh)
         self.kv_caches = [jnp.zeros(kv_shape, kv_dtype, device=kv_sharding)
@@ -139,10 +140,18 @@ class ModelRunner:
             assert st.num_computed_tokens == cached.num_computed_tokens, (cached, st.num_computed_tokens)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(so))
+
+    def launch(self, so: SchedulerOutput) -> "_Launched":
+        """Apply the scheduler's diffs and dispatch the step; returns before the device finishes.
+
+        Data-parallel replicas launch every replica's step before collecting any, so the
+        replicas' devices run at the same time.
+        """
         self._update_states(so)
         scheduled = [(self.states[req_id], n) for req_id, n in so.num_scheduled_tokens.items()]
         if not scheduled:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return _Launched(scheduled, None)
         bucket = pick_bucket(so.total_num_scheduled_tokens, self.buckets)
         if len(scheduled) > num_seqs_for_bucket(bucket, self.max_num_seqs):
             raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
@@ -153,7 +162,16 @@ class ModelRunner:
             logger.error("step failed: bucket=%d seqs=%d input shapes=%s", bucket, len(scheduled),
                          jax.tree.map(np.shape, inputs))
             raise
-        token_ids, token_lps, top_ids, top_lps = jax.device_get(outs)
+        return _Launched(scheduled, outs)
+
+    def collect(self, launched: "_Launched") -> ModelRunnerOutput:
+        """Wait for a launched step and turn its sampled tokens into plain data."""
+        scheduled = launched.scheduled
+        if launched.outs is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        # Outputs are replicated: this process's first copy is the whole value (also when
+        # other processes hold the rest of the mesh).
+        token_ids, token_lps, top_ids, top_lps = jax.device_get([x.addressable_data(0) for x in launched.outs])
 
         req_ids, sampled, logprobs = [], [], []
         for i, (st, n) in enumerate(scheduled):
@@ -170,3 +188,9 @@ class ModelRunner:
             logprobs.append(None if k is None else Logprobs(
                 float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+
+@dataclasses.dataclass
+class _Launched:
+    scheduled: list[tuple[RequestState, int]]
+    outs: list[jax.Array] | None     # token_ids, token_logprobs, top_ids, top_logprobs (still on device)

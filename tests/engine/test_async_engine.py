@@ -72,16 +72,16 @@ def test_cancelled_consumer_aborts_and_frees_blocks(engine, llm_engine):
 def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_engine, monkeypatch):
     engine = AsyncEngine(llm_engine)
 
-    real_execute, calls = llm_engine.runner.execute, {"n": 0}
+    real_launch, calls = llm_engine.runner.launch, {"n": 0}
 
-    def execute_then_fail(so):
+    def launch_then_fail(so):
         calls["n"] += 1
         if calls["n"] >= 3:      # every request is in flight by the third step
             raise RuntimeError("device on fire")
-        return real_execute(so)
+        return real_launch(so)
 
     async def main():
-        monkeypatch.setattr(llm_engine.runner, "execute", execute_then_fail)
+        monkeypatch.setattr(llm_engine.runner, "launch", launch_then_fail)
         tasks = [asyncio.create_task(collect(engine, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
                  for _ in range(3)]
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)

@@ -149,7 +149,7 @@ def test_kv_pool_smaller_than_the_context_is_refused(tiny_models):
 
 
 @pytest.mark.parametrize("option,match", [({"attention_backend": "pallas_gpu"}, "not available yet"),
-                                          ({"tensor_parallel_size": 2}, "only 1 is supported"),
+                                          ({"tensor_parallel_size": 2}, "needs 2 devices, but only 1 cpu device"),
                                           ({"dtype": "float64"}, "dtype='float64' must be one of")])
 def test_options_not_built_yet_fail_loudly(tiny_models, option, match):
     with pytest.raises(ValueError, match=match):
