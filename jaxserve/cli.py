@@ -1,4 +1,5 @@
-"""The `jaxserve` command: `serve` (OpenAI HTTP server) and `run-batch` (OpenAI Batch files).
+"""The `jaxserve` command: `serve` (OpenAI HTTP server), `run-batch` (OpenAI Batch files),
+`convert` (Orbax checkpoints).
 
 Engine flags mirror vLLM's names; each is a field of EngineConfig in snake_case.
 """
@@ -42,6 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     g.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("multi-host (one engine over several processes' devices, via jax.distributed)")
+    m.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")
+    m.add_argument("--num-processes", type=int, default=1, help="processes the engine spans")
+    m.add_argument("--process-id", type=int, default=0,
+                   help="this process's rank: 0 schedules and serves, the others follow its steps")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -54,7 +60,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        attention_backend=args.attention_backend, seed=args.seed, token_buckets=args.token_buckets)
+        attention_backend=args.attention_backend, seed=args.seed, token_buckets=args.token_buckets,
+        coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _follow(config: EngineConfig) -> int:
+    """A non-zero process of a multi-process engine: run the leader's steps until it stops."""
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    LLMEngine(config).follow()
+    return 0
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -91,6 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output-file", required=True, help="output JSONL (appended to)")
     add_engine_args(batch)
     batch.set_defaults(func=_run_batch)
+
+    convert = sub.add_parser("convert", help="write a model as an Orbax checkpoint (fast, sharded restore)",
+                             description="Convert a model (HF folder, .gguf, or the default) into an Orbax checkpoint "
+                                         "folder that `jaxserve serve DIR` and LLM(model=DIR) restore directly.")
+    convert.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: the "
+                                                                "default model)")
+    convert.add_argument("-o", "--output", required=True, help="output folder")
+    convert.add_argument("--dtype", choices=DTYPES, default="float32", help="param dtype to store")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    convert.set_defaults(func=_convert)
+
+    bench = sub.add_parser("bench", help="run a benchmark script of the source checkout (`jaxserve bench serve -h`)",
+                           description="Run benchmarks/<NAME>_bench.py of the source checkout with the given "
+                                       "arguments, e.g. `jaxserve bench serve --workload agent`.")
+    bench.add_argument("benchmark", choices=("serve",), help="serve: drive a running server (serve_bench.py)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    bench.set_defaults(func=_bench)
     return parser
 
 
@@ -98,6 +130,8 @@ def _run_batch(args: argparse.Namespace) -> int:
     from jaxserve.batch import run_batch
     from jaxserve.engine.llm_engine import LLMEngine
 
+    if args.process_id != 0:
+        return _follow(engine_config(args))
     engine = LLMEngine(engine_config(args))
     summary = run_batch(engine, args.input_file, args.output_file, served_model_name=args.served_model_name)
     print(f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already done "
@@ -105,9 +139,32 @@ def _run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    # Benchmarks are scripts, never imported by the packages: this loads one by path, from the checkout.
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{args.benchmark}_bench.py"
+    if not script.is_file():
+        raise ValueError(f"{script} not found: `jaxserve bench` runs the scripts of a source checkout")
+    sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location(f"{args.benchmark}_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args.bench_args)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxserve.convert import main
+
+    return main(args.model, args.output, dtype=args.dtype, overwrite=args.overwrite)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from server.app import serve
 
+    if args.process_id != 0:
+        return _follow(engine_config(args))
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_num_queued_requests=args.max_num_queued_requests,
                  max_request_body_bytes=args.max_request_body_bytes)

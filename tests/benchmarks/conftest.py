@@ -1,0 +1,8 @@
+"""The benchmark scripts import each other as top-level modules (they run as scripts from benchmarks/)."""
+
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
