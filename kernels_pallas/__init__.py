@@ -1,9 +1,14 @@
 """Attention kernels for jaxserve: ragged paged attention over a paged KV cache.
 
-Kernels take arrays and static knobs and never import `jaxserve`. For now this holds the
-pure-jnp reference, which is also the CPU production path.
+Kernels take arrays and static knobs and never import `jaxserve`. One op, three
+backends: the pure-jnp reference (the CPU production path and the oracle), a Pallas
+GPU kernel (`ragged_paged_attention_gpu`, Triton lowering, H100/H200) and a Pallas TPU
+kernel (`ragged_paged_attention_tpu`); `ragged_paged_attention(..., backend=...)`
+dispatches by name. Block sizes live in `tuning`; `work_items` is what the two Pallas
+kernels share.
 """
 
+from kernels_pallas.dispatch import ATTENTION_BACKENDS, ragged_paged_attention, resolve_attention_backend
 from kernels_pallas.ragged_paged_attention import (
     check_ragged_paged_attention_inputs,
     ragged_paged_attention_reference,
@@ -11,7 +16,10 @@ from kernels_pallas.ragged_paged_attention import (
 )
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "check_ragged_paged_attention_inputs",
+    "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "resolve_attention_backend",
     "write_kv_cache",
 ]

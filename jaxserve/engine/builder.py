@@ -22,6 +22,7 @@ from jaxserve.core import Scheduler, SchedulerConfig
 from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
+from kernels_pallas import resolve_attention_backend as backend_for_platform
 from sharding import (check_tensor_parallel, kv_head_replicas, make_mesh, param_shardings, replica_meshes,
                       replicate_kv_heads)
 
@@ -67,10 +68,13 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0, *, mesh: jax.sharding.Mesh | None = None):
+def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0, *, mesh: jax.sharding.Mesh | None = None,
+                attention_backend: str = "reference"):
     """(model, model_config): filled from the checkpoint's tensors, or restored from its Orbax
-    params straight into their shardings on `mesh` (sharding.PARAM_RULES)."""
-    model_config = ModelConfig.from_hf_config(checkpoint.config)
+    params straight into their shardings on `mesh` (sharding.PARAM_RULES). Its attention
+    layers call the (already resolved) `attention_backend`."""
+    model_config = dataclasses.replace(ModelConfig.from_hf_config(checkpoint.config),
+                                       attention_backend=attention_backend)
     # Built abstractly (no random init of weights that are about to be replaced), then filled.
     model = _abstract_model(model_config, dtype, seed)
     if checkpoint.params_path:
@@ -110,17 +114,30 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -
             * model_config.num_hidden_layers)
 
 
-def check_supported(config: EngineConfig) -> None:
-    """Options that are named in the API but not built yet fail loudly instead of being ignored."""
-    if config.attention_backend in ("pallas_gpu", "pallas_tpu"):
-        raise ValueError(f"attention_backend={config.attention_backend!r} is not available yet; "
-                         "use 'auto' or 'reference' (the pure-jnp ragged paged attention)")
+def resolve_attention_backend(config: EngineConfig) -> str:
+    """--attention-backend on this machine: "auto" picks by the platform of jax.devices()[0] (GPU ->
+    pallas_gpu, TPU -> pallas_tpu, else reference); a Pallas backend without its device fails here.
+
+    The Pallas kernels are not wrapped for a sharded KV cache yet (that needs a shard_map over
+    the KV-head axis), so with tensor parallelism "auto" keeps the reference and an explicit
+    Pallas backend is refused rather than left to XLA to gather the whole cache.
+    """
+    backend = backend_for_platform(config.attention_backend, jax.devices()[0].platform)
+    if backend != "reference" and config.tensor_parallel_size > 1:
+        if config.attention_backend != "auto":
+            raise ValueError(f"attention_backend={backend!r} does not support tensor_parallel_size="
+                             f"{config.tensor_parallel_size} yet; use 'reference' (or 'auto')")
+        logger.warning("attention backend: %s does not shard over KV heads yet; using the reference "
+                       "with tensor_parallel_size=%d", backend, config.tensor_parallel_size)
+        backend = "reference"
+    logger.info("attention backend: %s", backend)
+    return backend
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    check_supported(config)
     times = {}
     t0 = time.perf_counter()
+    attention_backend = resolve_attention_backend(config)
     enable_compilation_cache(config.compilation_cache_dir)
     checkpoint = load_checkpoint(config.model)
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
@@ -161,7 +178,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     t0 = time.perf_counter()
     meshes = replica_meshes(mesh)
-    model, model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0])
+    model, model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0],
+                                       attention_backend=attention_backend)
     model, model_config = with_replicated_kv_heads(model, model_config, kv_replicas, config.dtype)
     times["build_model"] = time.perf_counter() - t0
 

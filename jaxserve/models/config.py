@@ -61,6 +61,9 @@ class ModelConfig:
     layer_sliding_windows: tuple[int | None, ...]  # per layer: sliding_window or None (full attention)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]            # config's eos_token_id, always as a tuple
+    # Not from config.json: the attention kernel the engine resolved from --attention-backend
+    # ("reference" | "pallas_gpu" | "pallas_tpu", see kernels_pallas.dispatch).
+    attention_backend: str = "reference"
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.metadata import AttentionMetadata
-from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference, write_kv_cache
+from kernels_pallas import ragged_paged_attention, write_kv_cache
 
 
 class RMSNorm(nnx.Module):
@@ -87,17 +87,18 @@ def paged_attention(
     kv_cache: jax.Array,         # [2, num_kv_heads, num_blocks, block_size, head_dim], holds this step's K/V
     md: AttentionMetadata,
     *,
+    backend: str,
     sm_scale: float,
     sliding_window: int | None,
 ) -> jax.Array:
     """Ragged paged attention over the cache: [T, num_heads, head_dim].
 
-    The one place the models call an attention kernel, so the engine can dispatch to a
-    Pallas kernel by backend here.
+    The one place the models call an attention kernel: `backend` ("reference",
+    "pallas_gpu", "pallas_tpu"; static, from `ModelConfig.attention_backend`) picks it.
     """
-    return ragged_paged_attention_reference(
+    return ragged_paged_attention(
         q, kv_cache, md.block_tables, md.context_lens, md.query_start_loc, md.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window,
+        backend=backend, sm_scale=sm_scale, sliding_window=sliding_window,
     )
 
 
@@ -114,6 +115,7 @@ class Attention(nnx.Module):
         self.num_kv_heads = kv_heads
         self.head_dim = head_dim
         self.sliding_window = sliding_window
+        self.attention_backend = config.attention_backend  # static: part of the graphdef, not a param
         self.sm_scale = head_dim ** -0.5
         self.rope_theta = config.rope_theta
         self.rope_scaling = config.rope_scaling
@@ -144,7 +146,8 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
-        out = paged_attention(q, kv_cache, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+        out = paged_attention(q, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out), kv_cache                   # [T, hidden]
 
 

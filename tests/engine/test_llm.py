@@ -148,7 +148,9 @@ def test_kv_pool_smaller_than_the_context_is_refused(tiny_models):
             max_num_seqs=4, token_buckets=(16,))
 
 
-@pytest.mark.parametrize("option,match", [({"attention_backend": "pallas_gpu"}, "not available yet"),
+@pytest.mark.parametrize("option,match", [({"attention_backend": "pallas_gpu"},
+                                           "'pallas_gpu' needs an NVIDIA GPU.*available: 'auto', 'reference'"),
+                                          ({"attention_backend": "pallas_tpu"}, "'pallas_tpu' needs a TPU"),
                                           ({"tensor_parallel_size": 2}, "needs 2 devices, but only 1 cpu device"),
                                           ({"dtype": "float64"}, "dtype='float64' must be one of")])
 def test_options_not_built_yet_fail_loudly(tiny_models, option, match):

@@ -1,0 +1,70 @@
+"""Ragged paged attention by backend name, and which backend a platform gets.
+
+What flows through: the engine resolves its `--attention-backend` once at start-up
+(`resolve_attention_backend`, on the caller's thread); the model then calls
+`ragged_paged_attention(..., backend=...)` inside its jitted step with that static
+name. The Pallas modules are imported only when their backend is traced, so the CPU
+path never loads them.
+
+Backends: "reference" (pure jnp; the CPU path and the kernels' oracle), "pallas_gpu"
+(Triton-lowered Pallas kernel, NVIDIA GPUs), "pallas_tpu" (Mosaic Pallas kernel, TPUs).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
+
+ATTENTION_BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+# JAX platform name -> the backend "auto" picks there; anything else gets the reference.
+_PLATFORM_BACKENDS = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+def resolve_attention_backend(requested: str, platform: str) -> str:
+    """'auto' -> the backend for `platform` (a JAX platform: "cpu", "gpu", "tpu"); others checked against it.
+
+    Raises ValueError naming the request and what this platform offers when a Pallas
+    backend is asked for on a machine without its device.
+    """
+    available = ["reference"] + ([_PLATFORM_BACKENDS[platform]] if platform in _PLATFORM_BACKENDS else [])
+    if requested == "auto":
+        return available[-1]
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={requested!r} must be 'auto' or one of {ATTENTION_BACKENDS}")
+    if requested not in available:
+        device = {"pallas_gpu": "an NVIDIA GPU", "pallas_tpu": "a TPU"}[requested]
+        raise ValueError(f"attention_backend={requested!r} needs {device}, but JAX's devices here are "
+                         f"{platform!r}; available: 'auto', {', '.join(repr(b) for b in available)}")
+    return requested
+
+
+def ragged_paged_attention(
+    q,                # [T, num_q_heads, head_dim]
+    kv_cache,         # [2, num_kv_heads, num_blocks, block_size, head_dim], holds this step's K/V
+    block_tables,     # [S, max_blocks_per_seq] int32
+    context_lens,     # [S] int32
+    query_start_loc,  # [S + 1] int32
+    num_seqs,         # [] int32
+    *,
+    backend: str,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The backend's ragged paged attention -> [T, num_q_heads, head_dim] (same contract for all).
+
+    `interpret` runs a Pallas backend in its interpreter (CPU tests); the reference ignores it.
+    """
+    args = (q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "reference":
+        return ragged_paged_attention_reference(*args, **masks)
+    if backend == "pallas_gpu":
+        from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+        return ragged_paged_attention_gpu(*args, **masks, interpret=interpret)
+    if backend == "pallas_tpu":
+        from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+        return ragged_paged_attention_tpu(*args, **masks, interpret=interpret)
+    raise ValueError(f"backend={backend!r} must be one of {ATTENTION_BACKENDS}")
