@@ -35,6 +35,11 @@ class EngineConfig:
     attention_backend: str = "auto"           # "auto" picks by platform; "reference" forces pure jnp
     seed: int = 0                             # seeds parameter init for random models; not sampling
     compilation_cache_dir: str | None = None  # persistent XLA cache (default: under the user's cache dir)
+    # Multi-host: one engine over the devices of `num_processes` processes (jax.distributed);
+    # process 0 schedules and serves, the others follow its steps.
+    coordinator_address: str | None = None    # "host:port" of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,6 +64,15 @@ class EngineConfig:
                     or b[-1] != self.max_num_batched_tokens:
                 raise ValueError(f"token_buckets={b!r} must be increasing positive integers ending at "
                                  f"max_num_batched_tokens={self.max_num_batched_tokens}")
+        if not isinstance(self.num_processes, int) or self.num_processes < 1:
+            raise ValueError(f"num_processes={self.num_processes!r} must be a positive integer")
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id={self.process_id!r} must be in [0, num_processes={self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError(f"num_processes={self.num_processes} needs coordinator_address (process 0's host:port)")
+        if self.num_processes > 1 and self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} with num_processes={self.num_processes}: "
+                             "a multi-process engine runs one replica spanning every process's devices")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
 

@@ -125,6 +125,8 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(("stop",))
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()   # releases the followers of a multi-process engine
 
     # ---- the engine thread -----------------------------------------------------------
 

@@ -23,6 +23,7 @@ from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
 from kernels_pallas import resolve_attention_backend as backend_for_platform
+from sharding.distributed import initialize as initialize_distributed
 from sharding import (check_tensor_parallel, kv_head_replicas, make_mesh, param_shardings, replica_meshes,
                       replicate_kv_heads)
 
@@ -137,6 +138,8 @@ def resolve_attention_backend(config: EngineConfig) -> str:
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     times = {}
     t0 = time.perf_counter()
+    if config.num_processes > 1:   # before anything touches a device
+        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     attention_backend = resolve_attention_backend(config)
     enable_compilation_cache(config.compilation_cache_dir)
     checkpoint = load_checkpoint(config.model)

@@ -9,6 +9,7 @@ that share the prompt's KV blocks through the prefix cache.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from jaxserve.engine.builder import Replica, build_engine_parts
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
 from jaxserve.runner.inputs import MAX_BANNED
+from sharding.distributed import STOP, StepChannel
 
 PromptType = str | list[int] | dict
 
@@ -68,6 +70,12 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._core_to_seq: dict[str, tuple[_RequestState, _Sequence]] = {}
         self._replica_of: dict[str, Replica] = {}       # core request id -> the replica running it
+        # Multi-process: the leader (process 0) publishes each step's scheduler output before
+        # launching it; followers run `follow()` and launch the same steps.
+        self.is_leader = config.process_id == 0
+        self._channel = StepChannel() if config.num_processes > 1 else None
+        if self._channel is not None and self.is_leader:
+            atexit.register(self.shutdown)
         self.num_prompt_tokens_total = 0      # prompt tokens computed (not served from the cache)
         self.num_generation_tokens_total = 0
 
@@ -184,6 +192,7 @@ class LLMEngine:
         """
         if len(self.replicas) == 1:
             return self.replicas[0]
+        request.update_block_hashes(self.scheduler.config.block_size)   # what the prefix lookup reads
         loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in self.replicas]
         slack = max(1, self.config.max_num_seqs // 4)
         candidates = [i for i, load in enumerate(loads) if load <= min(loads) + slack]
@@ -208,6 +217,8 @@ class LLMEngine:
                 state, _ = self._core_to_seq[new.req_id]
                 if state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
+        if self._channel is not None:
+            self._channel.publish([so for _, so in plans])
         # Every replica's step is dispatched before any result is awaited: replicas run together.
         launched = [(replica, so, replica.runner.launch(so)) for replica, so in plans]
         core_outputs = []
@@ -226,6 +237,20 @@ class LLMEngine:
         for state in changed.values():
             outputs.append(self._finish(state) if state.finished else self._output(state))
         return outputs
+
+    def follow(self) -> None:
+        """A follower's loop: run the leader's steps until it shuts down (multi-process only)."""
+        if self._channel is None or self.is_leader:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process engine")
+        while (message := self._channel.receive()) != STOP:
+            for replica, so in zip(self.replicas, message):
+                replica.runner.collect(replica.runner.launch(so))
+
+    def shutdown(self) -> None:
+        """Release followers (multi-process leader); a no-op otherwise. Idempotent."""
+        if self._channel is not None and self.is_leader:
+            self._channel.publish(STOP)
+            self._channel = None
 
     def _apply(self, state: _RequestState, seq: _Sequence, co: EngineCoreOutput, now: float) -> None:
         m = state.metrics
