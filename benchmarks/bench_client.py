@@ -109,6 +109,15 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
     return result
 
 
+async def warmup_request(client: httpx.AsyncClient, base_url: str, model: str, vocab_size: int) -> None:
+    """One short request before measuring (as vLLM's benchmark does), on a prompt no workload shares."""
+    rng = np.random.default_rng(12345)
+    prompt = rng.integers(100, vocab_size - 100, size=16).tolist()
+    r = await stream_completion(client, base_url, model, prompt, 2)
+    if not r.ok:
+        raise RuntimeError(f"the warm-up request failed: {r.error}")
+
+
 # ---- summaries ------------------------------------------------------------------------------------
 
 

@@ -32,8 +32,8 @@ import time
 import httpx
 import numpy as np
 
-from bench_client import (RequestResult, metrics_delta, scrape_metrics, stats_ms, stream_completion,
-                          summarize)
+from bench_client import (RequestResult, metrics_delta, scrape_metrics, stats_ms, stream_completion, summarize,
+                          warmup_request)
 from workloads import AgentWorkload, BurstWorkload, agent_workload, long_prompt_burst, random_requests
 
 WORKLOADS = ("random", "agent", "long-prompt-burst")
@@ -228,6 +228,7 @@ async def benchmark(args) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = args.model or (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        await warmup_request(client, url, model, args.vocab_size)
         before = await scrape_metrics(client, url)
         t0 = time.perf_counter()
         results, extra = await RUNNERS[args.workload](client, url, model, args)
