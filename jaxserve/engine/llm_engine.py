@@ -5,6 +5,11 @@ one thread (the AsyncEngine runs it on its own loop thread). `step()` schedules,
 the jitted step, applies stop checks, detokenizes incrementally and returns a
 RequestOutput for every request that changed. `n > 1` becomes n sibling core requests
 that share the prompt's KV blocks through the prefix cache.
+
+With data_parallel_size > 1 the engine holds several replicas (scheduler + runner on its
+own devices); each new request is routed to one (`_route`), and a step launches every
+replica's work before collecting any. In a multi-process engine, process 0 runs this
+loop and publishes each step's scheduler outputs; the others call `follow()`.
 """
 
 from __future__ import annotations
