@@ -5,7 +5,8 @@ the runner (the step compile that follows is the same for all). Sources:
   gguf-cold   the GGUF dequantized and converted to a safetensors folder (first start)
   gguf-warm   that converted folder, read and re-laid-out (every later start)
   orbax       `jaxserve convert` output, restored straight into the params' shardings
-Each warm source is timed --reps times, alternating, in this one process; medians.
+Each warm source is timed --reps times, alternating, in this one process; medians. The
+abstract model build (nnx.eval_shape, the same for every source) is timed on its own too.
 
   python benchmarks/checkpoint_startup.py [--reps 5]
 """
@@ -22,7 +23,8 @@ import jax
 
 from checkpoints import default_model_path, load_checkpoint
 from jaxserve.convert import convert_to_orbax
-from jaxserve.engine.builder import build_model
+from jaxserve.engine.builder import _abstract_model, build_model
+from jaxserve.models import ModelConfig
 
 
 def time_load(source, cache_dir=None) -> float:
@@ -42,16 +44,22 @@ def main() -> None:
         t0 = time.perf_counter()
         orbax_dir = convert_to_orbax(gguf, Path(tmp) / "orbax")
         convert_s = time.perf_counter() - t0
-        warm, orbax = [], []
+        warm, orbax, shape = [], [], []
+        config = ModelConfig.from_hf_config(load_checkpoint(orbax_dir).config)
         for _ in range(args.reps):
             warm.append(time_load(gguf, cache_dir=Path(tmp) / "models"))
             orbax.append(time_load(orbax_dir))
-    w, o = statistics.median(warm), statistics.median(orbax)
+            t0 = time.perf_counter()
+            _abstract_model(config, "float32", 0)
+            shape.append(time.perf_counter() - t0)
+    w, o, a = statistics.median(warm), statistics.median(orbax), statistics.median(shape)
     print(f"| source | load to device (s) |\n|---|---|\n| gguf-cold (convert + load) | {cold:.2f} |\n"
           f"| gguf-warm (converted folder), median of {args.reps} | {w:.2f} |\n"
           f"| orbax, median of {args.reps} | {o:.2f} |\n\n"
           f"orbax vs gguf-warm: {w / o:.2f}x faster; vs gguf-cold: {cold / o:.1f}x; "
-          f"`jaxserve convert` took {convert_s:.1f} s once")
+          f"`jaxserve convert` took {convert_s:.1f} s once.\nOf each load, {a:.2f} s (median) is tracing the "
+          f"abstract model (nnx.eval_shape), common to all sources; without it orbax {o - a:.2f} s vs gguf-warm "
+          f"{w - a:.2f} s ({(w - a) / (o - a):.2f}x)")
 
 
 if __name__ == "__main__":

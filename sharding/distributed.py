@@ -54,13 +54,13 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
 class StepChannel:
     """Scheduler outputs from the leader to the followers, one key per step."""
 
-    def __init__(self, timeout_s: float = 3600.0) -> None:
+    def __init__(self, poll_s: float = 60.0) -> None:
         from jax._src import distributed
 
         self._client = distributed.global_state.client
         if self._client is None:
             raise RuntimeError("StepChannel needs jax.distributed to be initialized")
-        self._timeout_ms = int(timeout_s * 1000)
+        self._poll_ms = int(poll_s * 1000)
         self._step = 0
 
     def publish(self, message) -> None:
@@ -70,6 +70,13 @@ class StepChannel:
         self._step += 1
 
     def receive(self):
-        data = self._client.blocking_key_value_get_bytes(f"{_PREFIX}{self._step}", self._timeout_ms)
+        """The leader's next message; waits as long as the leader is idle (and alive)."""
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(f"{_PREFIX}{self._step}", self._poll_ms)
+                break
+            except RuntimeError as e:   # jax.errors.JaxRuntimeError; a dead coordinator raises another code
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
         self._step += 1
         return pickle.loads(data)
