@@ -127,6 +127,18 @@ def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context
     return statistics.median(times)
 
 
+def xla_costs(engine: LLMEngine) -> dict[int, dict[str, float]]:
+    """XLA's own FLOP and bytes-accessed estimates of the compiled step, per token bucket."""
+    out = {}
+    for bucket, exe in sorted(getattr(engine.runner, "_executables", {}).items()):
+        cost = exe.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        if cost:
+            out[bucket] = {"flops": float(cost.get("flops", float("nan"))),
+                           "bytes_accessed": float(cost.get("bytes accessed", float("nan")))}
+    return out
+
+
 def workload_floors(model: Model, bw: float, rate: float) -> dict[str, float]:
     """Floors (seconds) of offline_throughput.py's two workloads, step by step."""
     from workloads import offline_random_prompts, shared_prefix_prompts
@@ -203,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"step": "prefill", "seqs": 1, "tokens": q, "context": 256, "seconds": t, **f})
         print(f"| prefill | {q} | 256 | {t * 1e3:.1f} | {f['memory'] * 1e3:.1f} | {f['compute'] * 1e3:.1f} | "
               f"{max(f.values()) / t:.2f} | - |", flush=True)
+    costs = xla_costs(engine)
+    if costs:
+        print("\nXLA's cost analysis of the compiled step (whole bucket, every sequence slot):")
+        print("| bucket | XLA GFLOP | 2 x non-embedding params x tokens (GFLOP) | XLA GB accessed |")
+        print("|---:|---:|---:|---:|")
+        for bucket, c in costs.items():
+            print(f"| {bucket} | {c['flops'] / 1e9:.2f} | {2 * model.layer_params * bucket / 1e9:.2f} "
+                  f"| {c['bytes_accessed'] / 1e9:.2f} |")
     floors = workload_floors(model, read_bw, rate)
     print("\noffline workload floors (s): " + ", ".join(f"{k} {v:.1f}" for k, v in floors.items()))
     print(f"  random (64 x 128 out): {floors['random_prefill_s'] + floors['random_decode_s']:.1f} s = "
@@ -212,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiles after warm-up: {engine.runner.compiles_after_warmup}")
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({"bandwidth": bw, "matmul": mm, "steps": rows, "workload_floors": floors,
+            json.dump({"bandwidth": bw, "matmul": mm, "steps": rows, "workload_floors": floors, "xla_costs": costs,
                        "compiles_after_warmup": engine.runner.compiles_after_warmup}, f, indent=1)
     return 0
 
