@@ -115,15 +115,15 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -
             * model_config.num_hidden_layers)
 
 
-def resolve_attention_backend(config: EngineConfig) -> str:
-    """--attention-backend on this machine: "auto" picks by the platform of jax.devices()[0] (GPU ->
-    pallas_gpu, TPU -> pallas_tpu, else reference); a Pallas backend without its device fails here.
+def resolve_attention_backend(config: EngineConfig, platform: str | None = None) -> str:
+    """--attention-backend on this machine: "auto" picks by `platform` (default: that of jax.devices()[0];
+    GPU -> pallas_gpu, TPU -> pallas_tpu, else reference); a Pallas backend without its device fails here.
 
     The Pallas kernels are not wrapped for a sharded KV cache yet (that needs a shard_map over
     the KV-head axis), so with tensor parallelism "auto" keeps the reference and an explicit
     Pallas backend is refused rather than left to XLA to gather the whole cache.
     """
-    backend = backend_for_platform(config.attention_backend, jax.devices()[0].platform)
+    backend = backend_for_platform(config.attention_backend, platform or jax.devices()[0].platform)
     if backend != "reference" and config.tensor_parallel_size > 1:
         if config.attention_backend != "auto":
             raise ValueError(f"attention_backend={backend!r} does not support tensor_parallel_size="

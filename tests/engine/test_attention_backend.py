@@ -1,0 +1,53 @@
+"""--attention-backend at engine start: resolution by platform, refusals, and the built engine's model.
+
+The refusal of a Pallas backend on this CPU-only machine through `LLM(...)` is in
+test_llm.py (test_options_not_built_yet_fail_loudly); here the resolution rules, with
+the platform passed in so GPU and TPU machines can be described on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.builder import resolve_attention_backend
+
+
+@pytest.mark.parametrize("requested, platform, tp, expected", [
+    ("auto", None, 1, "reference"),             # this machine: CPU
+    ("reference", None, 1, "reference"),
+    ("auto", "gpu", 1, "pallas_gpu"),
+    ("auto", "tpu", 1, "pallas_tpu"),
+    ("pallas_gpu", "gpu", 1, "pallas_gpu"),
+    ("auto", "gpu", 2, "reference"),            # the kernels do not shard over KV heads yet
+    ("reference", "tpu", 2, "reference"),
+])
+def test_resolution(requested, platform, tp, expected):
+    config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp)
+    assert resolve_attention_backend(config, platform) == expected
+
+
+@pytest.mark.parametrize("requested, platform, tp, message", [
+    ("pallas_gpu", None, 1, "'pallas_gpu' needs an NVIDIA GPU, but JAX's devices here are 'cpu'; "
+                            "available: 'auto', 'reference'"),
+    ("pallas_tpu", "gpu", 1, "'pallas_tpu' needs a TPU.* available: 'auto', 'reference', 'pallas_gpu'"),
+    ("pallas_gpu", "gpu", 2, "'pallas_gpu' does not support tensor_parallel_size=2 yet"),
+])
+def test_refusals_name_what_is_available(requested, platform, tp, message):
+    config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match=message):
+        resolve_attention_backend(config, platform)
+
+
+def test_auto_with_tensor_parallelism_says_it_keeps_the_reference(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.builder"):
+        resolve_attention_backend(EngineConfig(tensor_parallel_size=2), "gpu")
+    assert "pallas_gpu does not shard over KV heads yet; using the reference" in caplog.text
+
+
+def test_auto_engine_on_cpu_runs_the_reference(tiny_engine):
+    """The shared engine (attention_backend "auto") built its model with the reference kernel."""
+    assert tiny_engine.config.attention_backend == "auto"
+    assert tiny_engine.model_config.attention_backend == "reference"

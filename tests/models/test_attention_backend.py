@@ -1,0 +1,57 @@
+"""The model's attention layers call the kernel named by `ModelConfig.attention_backend`.
+
+Checked by lowering a whole (abstract, weightless) two-layer model step for CUDA / TPU
+on this CPU-only machine: every layer must call the kernel's jitted entry (lowered once,
+holding the two Pallas calls: decode items and prefill tiles), and the reference
+backend no Pallas call at all. head_dim is 64 here because the Pallas
+tuning tables start there (the tiny test models use 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxserve.models import AttentionMetadata, ModelConfig, get_model_class
+
+NUM_TOKENS, NUM_SEQS, NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS = 32, 4, 16, 16, 4
+# config.json of a 2-layer GQA decoder (4 heads over 2 KV heads, head_dim 64)
+HF_CONFIGS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, max_position_embeddings=256),
+}
+HF_CONFIGS["mistral"] = dict(HF_CONFIGS["llama"], architectures=["MistralForCausalLM"], model_type="mistral",
+                             sliding_window=8)
+
+
+@pytest.mark.parametrize("model, backend, platform, entry, custom_call", [
+    ("llama", "reference", "cuda", "@_ragged_paged_attention(", "custom_call @__gpu$xla.gpu.triton"),
+    ("llama", "pallas_gpu", "cuda", "@_ragged_paged_attention_gpu(", "custom_call @__gpu$xla.gpu.triton"),
+    ("mistral", "pallas_gpu", "cuda", "@_ragged_paged_attention_gpu(", "custom_call @__gpu$xla.gpu.triton"),
+    ("llama", "pallas_tpu", "tpu", "@_ragged_paged_attention_tpu(", "custom_call @tpu_custom_call"),
+])
+def test_model_step_lowers_to_the_configured_kernel(model, backend, platform, entry, custom_call):
+    config = dataclasses.replace(ModelConfig.from_hf_config(HF_CONFIGS[model]), attention_backend=backend)
+    abstract = nnx.eval_shape(lambda: get_model_class(config)(
+        config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+
+    @jax.jit
+    def step(state, input_ids, positions, kv_caches, md):
+        return nnx.merge(graphdef, state)(input_ids, positions, kv_caches, md)
+
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    cache = jax.ShapeDtypeStruct((2, config.num_key_value_heads, NUM_BLOCKS, BLOCK_SIZE, 64), jnp.bfloat16)
+    md = AttentionMetadata(slot_mapping=i32(NUM_TOKENS), block_tables=i32(NUM_SEQS, MAX_BLOCKS),
+                           context_lens=i32(NUM_SEQS), query_start_loc=i32(NUM_SEQS + 1), num_seqs=i32())
+    lowered = step.trace(state, i32(NUM_TOKENS), i32(NUM_TOKENS), [cache] * config.num_hidden_layers,
+                         md).lower(lowering_platforms=(platform,))
+    lines = lowered.as_text().splitlines()
+    assert sum(f"call {entry}" in line for line in lines) == config.num_hidden_layers
+    assert sum(custom_call in line for line in lines) == (0 if backend == "reference" else 2)
+    assert all(layer.self_attn.attention_backend == backend for layer in abstract.layers)
