@@ -26,9 +26,12 @@ non-contiguous pages through a block table, small decode tiles (16 rows) and rag
 bounds. Triton lowers a `ref[page_ids]` gather to plain pointer arithmetic with
 software-pipelined loads and accepts 16-row dots; Mosaic GPU wants TMA-shaped copies
 and WGMMA tiles of 64 rows, so each 16-token page would be its own TMA transfer and
-decode tiles would be 4-8x padded. Mosaic GPU's interpret mode also accepts only
-whole-array refs, so a blocked Mosaic kernel could not be tested on CPU against the
-reference, which this one is. JAX's own `ops.gpu.paged_attention` makes the same choice.
+decode tiles would be 4-8x padded. Testing on CPU decides it too: the interpreter that
+models Mosaic GPU's own primitives (TMA copies, barriers; `InterpretGPUParams`) accepts
+only whole-array BlockSpecs in jax 0.10 (checked in its source), and the generic
+interpreter does not model those primitives, whereas a Triton-style kernel built from
+plain loads, dots and BlockSpecs runs as is under `interpret=True`. JAX's own
+`ops.gpu.paged_attention` makes the same choice.
 What Mosaic GPU would add (TMA multicast, warp specialisation) matters most for long
 prefills; that is the thing to revisit once H100 numbers exist.
 
@@ -163,8 +166,9 @@ def _ragged_paged_attention_gpu(q, kv_cache, block_tables, context_lens, query_s
 
 
 def _device_sms() -> int:
+    """SM count of the GPU this runs on; an H100's when there is none (cross-lowering, interpret mode)."""
     device = jax.devices()[0]
-    return getattr(device, "core_count", None) if device.platform == "gpu" else tuning.H100_NUM_SMS
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or tuning.H100_NUM_SMS
 
 
 def _call(items: work_items.WorkItems, *, kv_cache, tables, sm_scale, sliding_window, soft_cap,

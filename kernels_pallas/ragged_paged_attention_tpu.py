@@ -27,6 +27,8 @@ What could not be checked without a TPU (say so before relying on it):
   tiling of the [R, 1] softmax statistics, DMA alignment of pages into the scratch) runs
   only on a TPU, as do timings. Page sizes must be a multiple of the sublane tiling
   (8 rows for 32-bit, 16 for 16-bit dtypes) so each page lands tile-aligned.
+- Block tables and item metadata are scalar-prefetched whole into SMEM (as JAX's kernel
+  does with its page indices), so S x max_blocks int32 must fit there.
 - No cross-cell prefetch: each cell's first KV block is fetched after the cell starts,
   which costs latency on short contexts; a later version can prefetch the next cell's
   first block as JAX's kernel does.
