@@ -8,7 +8,10 @@ and prints both configurations side by side with their ratio. Configurations:
   prefix caching    on: --enable-prefix-caching (default)   off: --no-enable-prefix-caching
   chunked prefill   on: budget B (--burst-budget), the long prompt (8 x B) sliced into the
                     steps; off: --no-enable-chunked-prefill with the budget raised to fit the
-                    long prompt and the streams' decodes in one step (otherwise it never runs)
+                    long prompt and the streams' decodes in one step (otherwise it never runs).
+                    Both leave a sequence slot free for the long prompt. B defaults to 24: on a
+                    2-core CPU a step's time grows with its tokens, and 16 decodes + 8 prompt
+                    tokens keep a step near 1.5x of the 16 decodes alone (a GPU would use 512+).
 
     python benchmarks/ablations.py [--only prefix-caching|chunked-prefill] [serve_bench flags...]
 """
@@ -35,7 +38,9 @@ def ablation_configs(args) -> dict[str, list[tuple[str, list[str]]]]:
              "--max-num-batched-tokens", str(args.agent_budget), "--token-buckets", args.agent_buckets]
     b = args.burst_budget
     big = b * args.burst_factor + args.burst_streams
-    burst = [*common, "--max-model-len", str(big)]   # without chunking the budget must cover max_model_len
+    # A free sequence slot for the long prompt; without chunking the budget must cover max_model_len.
+    slots = max(args.max_num_seqs, args.burst_streams + 1)
+    burst = [*model, "--max-num-seqs", str(slots), "--max-model-len", str(big)]
     return {
         "prefix-caching": [("on", agent), ("off", [*agent, "--no-enable-prefix-caching"])],
         "chunked-prefill": [
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--agent-budget", type=int, default=256)
     g.add_argument("--agent-buckets", default="8,32,64,256")
     g.add_argument("--agent-max-model-len", type=int, default=2048)
-    g.add_argument("--burst-budget", type=int, default=32, help="token budget B of the chunked server")
+    g.add_argument("--burst-budget", type=int, default=24, help="token budget B of the chunked server")
     g.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     args = ap.parse_args(argv)
     args.token_budget = args.burst_budget      # the long prompt is burst_factor x B in both configurations

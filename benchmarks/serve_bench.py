@@ -55,7 +55,7 @@ def _limit(max_concurrency: int | None):
 # ---- random ---------------------------------------------------------------------------------------
 
 
-async def run_random(client, url, model, args) -> tuple[list[RequestResult], dict]:
+async def run_random(client, url, model, args):
     reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                            args.random_range_ratio, args.vocab_size, args.seed)
     limit = _limit(args.max_concurrency)
@@ -65,7 +65,7 @@ async def run_random(client, url, model, args) -> tuple[list[RequestResult], dic
             return await stream_completion(client, url, model, req.prompt, req.max_tokens)
     tasks = [asyncio.create_task(one(reqs[i]))
              async for i in arrivals(len(reqs), args.request_rate, args.burstiness, args.seed)]
-    return list(await asyncio.gather(*tasks)), {}
+    return list(await asyncio.gather(*tasks)), {}, None
 
 
 # ---- agent ----------------------------------------------------------------------------------------
@@ -79,11 +79,11 @@ def make_agent_workload(args) -> AgentWorkload:
                           vocab_size=args.vocab_size, block_size=args.block_size, seed=args.seed)
 
 
-async def run_agent(client, url, model, args) -> tuple[list[RequestResult], dict]:
+async def run_agent(client, url, model, args):
     wl = make_agent_workload(args)
     limit = _limit(args.max_concurrency)
     results: list[RequestResult] = []
-    reply_new_tokens: list[int] = []     # per later turn: tokens of the previous reply not computed before
+    replies: list[tuple[list[str], list[int]]] = []   # (generated tokens' texts, re-tokenized reply)
 
     async def agent(a: int):
         prompt = wl.first_prompt(a)
@@ -94,25 +94,35 @@ async def run_agent(client, url, model, args) -> tuple[list[RequestResult], dict
             results.append(res)
             if not res.ok or turn + 1 == wl.num_turns:
                 return
-            # The reply goes back into the conversation as its text re-tokenized, as an agent's would;
-            # where that differs from the generated tokens, the rest of the reply is new to the cache.
+            # The reply goes back into the conversation as its text re-tokenized, as an agent's would.
             reply = await _tokenize(client, url, res.text)
-            pieces = await asyncio.gather(*(_detokenize(client, url, [t]) for t in reply))
-            reply_new_tokens.append(new_reply_tokens(res.token_pieces, list(pieces)))
+            replies.append((res.token_pieces, reply))
             prompt = wl.next_prompt(a, turn + 1, prompt, reply)
     tasks = [asyncio.create_task(agent(a))
              async for a in arrivals(wl.num_agents, args.request_rate, args.burstiness, args.seed)]
     await asyncio.gather(*tasks)
+
+    async def after_run() -> dict:
+        # Off the clock: where a re-tokenized reply differs from the generated tokens (compared by
+        # each token's text), the rest of it was new to the cache.
+        ids = sorted({t for _, reply in replies for t in reply})
+        limit16 = asyncio.Semaphore(16)
+
+        async def text_of(t):
+            async with limit16:
+                return await _detokenize(client, url, [t])
+        texts = dict(zip(ids, await asyncio.gather(*(text_of(t) for t in ids))))
+        new = [new_reply_tokens(pieces, [texts[t] for t in reply]) for pieces, reply in replies]
+        # The workload's ideal counts one token per reply (the last, never fed back).
+        return {"prefill_tokens_ideal": wl.ideal_prefill_tokens() + sum(n - 1 for n in new),
+                "replies_retokenized_differently": sum(n != 1 for n in new)}
+
     ok = [r for r in results if r.ok]
     first = [r.ttft for r in ok if r.tags["turn"] == 0]
     later = [r.ttft for r in ok if r.tags["turn"] > 0]
     extra = {
         "agent": {"num_agents": wl.num_agents, "num_turns": wl.num_turns, "shared_prefix_len": len(wl.shared_prefix),
                   "output_len": wl.output_len, "block_size": wl.block_size},
-        # The workload's ideal counts one token per reply (the last, never fed back); a reply whose
-        # re-tokenization differs adds its tokens from the first difference on.
-        "prefill_tokens_ideal": wl.ideal_prefill_tokens() + sum(n - 1 for n in reply_new_tokens),
-        "replies_retokenized_differently": sum(n != 1 for n in reply_new_tokens),
         "prompt_tokens_total": sum(r.prompt_len for r in ok),
         "cached_tokens_reported": sum(r.cached_tokens for r in ok),
         "median_ttft_by_turn_ms": [float(np.median([r.ttft for r in ok if r.tags["turn"] == t]) * 1e3)
@@ -120,7 +130,7 @@ async def run_agent(client, url, model, args) -> tuple[list[RequestResult], dict
     }
     extra.update(stats_ms(first, "ttft_first_turn"))
     extra.update(stats_ms(later, "ttft_later_turns"))
-    return results, extra
+    return results, extra, after_run
 
 
 async def _tokenize(client, url, text: str) -> list[int]:
@@ -163,7 +173,7 @@ def make_burst_workload(args) -> BurstWorkload:
                              vocab_size=args.vocab_size, seed=args.seed)
 
 
-async def run_burst(client, url, model, args) -> tuple[list[RequestResult], dict]:
+async def run_burst(client, url, model, args):
     wl = make_burst_workload(args)
     steady = asyncio.Event()
     live: dict[int, RequestResult] = {}
@@ -187,7 +197,7 @@ async def run_burst(client, url, model, args) -> tuple[list[RequestResult], dict
     t_send = time.perf_counter()
     long = await stream_completion(client, url, model, wl.long_prompt, wl.long_max_tokens, tags={"role": "long"})
     results = list(await asyncio.gather(*tasks)) + [long]
-    return results, burst_report(results[:-1], long, t_send, wl)
+    return results, burst_report(results[:-1], long, t_send, wl), None
 
 
 def burst_report(streams: list[RequestResult], long: RequestResult, t_send: float, wl: BurstWorkload) -> dict:
@@ -216,7 +226,8 @@ def burst_report(streams: list[RequestResult], long: RequestResult, t_send: floa
     return out
 
 
-# ---- one run --------------------------------------------------------------------------------------
+# ---- one run ----------------------------------------------------------------------------------------
+# A workload runner returns (results, extra report, None or a coroutine function run off the clock).
 
 RUNNERS = {"random": run_random, "agent": run_agent, "long-prompt-burst": run_burst}
 
@@ -231,9 +242,11 @@ async def benchmark(args) -> dict:
         await warmup_request(client, url, model, args.vocab_size)
         before = await scrape_metrics(client, url)
         t0 = time.perf_counter()
-        results, extra = await RUNNERS[args.workload](client, url, model, args)
+        results, extra, after_run = await RUNNERS[args.workload](client, url, model, args)
         duration = time.perf_counter() - t0
         after = await scrape_metrics(client, url)
+        if after_run is not None:
+            extra.update(await after_run())
     out = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "jaxserve", "model_id": model,
            "base_url": url, "workload": args.workload, "request_rate": args.request_rate,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed}
@@ -279,7 +292,9 @@ def print_result(out: dict) -> None:
                  for w in ("steady", "burst") for stat in ("median", "p99", "max")]
         rows += [("burst p99 / steady p99", out["burst_p99_over_steady_p99"]),
                  ("burst p99 / steady median", out["burst_p99_over_steady_median"]),
-                 ("long prompt TTFT (ms)", out["long_prompt_ttft_ms"])]
+                 ("long prompt TTFT (ms)", out["long_prompt_ttft_ms"]),
+                 ("streams done before the long prompt's first token",
+                  out["burst"]["streams_finished_before_burst_ended"])]
     for name, value in rows:
         print(f"{name:<42}{value:>14.2f}" if isinstance(value, float) else f"{name:<42}{value:>14}")
     for e in out["errors"][:5]:

@@ -31,6 +31,7 @@ def test_chunked_prefill_off_gets_a_budget_that_fits_the_long_prompt():
     assert flag(off, "--max-num-batched-tokens") == str(8 * 32 + 16) and "--no-enable-chunked-prefill" in off
     assert flag(on, "--max-model-len") == flag(off, "--max-model-len") == str(8 * 32 + 16)
     assert flag(off, "--token-buckets").endswith(",272")
+    assert flag(on, "--max-num-seqs") == flag(off, "--max-num-seqs") == "17"   # a slot for the long prompt
 
 
 @pytest.mark.slow
