@@ -4,7 +4,8 @@ What flows through: the engine resolves its `--attention-backend` once at start-
 (`resolve_attention_backend`, on the caller's thread); the model then calls
 `ragged_paged_attention(..., backend=...)` inside its jitted step with that static
 name. The Pallas modules are imported only when their backend is traced, so the CPU
-path never loads them.
+path never loads them. Under a mesh with a "tp" axis (tensor parallelism) every backend
+runs per device over that device's heads (shard_map), so no device gathers the cache.
 
 Backends: "reference" (pure jnp; the CPU path and the kernels' oracle), "pallas_gpu"
 (Triton-lowered Pallas kernel, NVIDIA GPUs), "pallas_tpu" (Mosaic Pallas kernel, TPUs).
@@ -12,11 +13,17 @@ Backends: "reference" (pure jnp; the CPU path and the kernels' oracle), "pallas_
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 
 ATTENTION_BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+# Mesh axis that splits attention heads (tensor parallelism). Traced under a mesh with this
+# axis (the runner sets its mesh), the op runs per device on its heads through shard_map.
+KV_HEAD_AXIS = "tp"
 # JAX platform name -> the backend "auto" picks there; anything else gets the reference.
 _PLATFORM_BACKENDS = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 
@@ -57,6 +64,21 @@ def ragged_paged_attention(
 
     `interpret` runs a Pallas backend in its interpreter (CPU tests); the reference ignores it.
     """
+    args = (q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
+    kernel = functools.partial(_one_shard, backend=backend, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get(KV_HEAD_AXIS, 1) > 1:
+        # Tensor parallel: each device attends with its own query heads over its own KV heads
+        # (heads are split into contiguous groups, so a device's query heads read only its KV heads).
+        heads = P(None, KV_HEAD_AXIS, None)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, P(None, KV_HEAD_AXIS), P(), P(), P(), P()),
+                               out_specs=heads, check_vma=False)
+    return kernel(*args)
+
+
+def _one_shard(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *, backend, sm_scale,
+               sliding_window, soft_cap, interpret):
     args = (q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
     masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference":

@@ -118,19 +118,8 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -
 def resolve_attention_backend(config: EngineConfig, platform: str | None = None) -> str:
     """--attention-backend on this machine: "auto" picks by `platform` (default: that of jax.devices()[0];
     GPU -> pallas_gpu, TPU -> pallas_tpu, else reference); a Pallas backend without its device fails here.
-
-    The Pallas kernels are not wrapped for a sharded KV cache yet (that needs a shard_map over
-    the KV-head axis), so with tensor parallelism "auto" keeps the reference and an explicit
-    Pallas backend is refused rather than left to XLA to gather the whole cache.
-    """
+    With tensor parallelism every backend runs per device over its heads (kernels_pallas.dispatch)."""
     backend = backend_for_platform(config.attention_backend, platform or jax.devices()[0].platform)
-    if backend != "reference" and config.tensor_parallel_size > 1:
-        if config.attention_backend != "auto":
-            raise ValueError(f"attention_backend={backend!r} does not support tensor_parallel_size="
-                             f"{config.tensor_parallel_size} yet; use 'reference' (or 'auto')")
-        logger.warning("attention backend: %s does not shard over KV heads yet; using the reference "
-                       "with tensor_parallel_size=%d", backend, config.tensor_parallel_size)
-        backend = "reference"
     logger.info("attention backend: %s", backend)
     return backend
 

@@ -101,7 +101,10 @@ class ModelRunner:
     # ---- compilation -----------------------------------------------------------------
 
     def _compile(self, bucket: int) -> jax.stages.Compiled:
-        return self.step.lower(self.params, self.kv_caches, self._prepare([], bucket)).compile()
+        # Traced under the mesh: attention runs per device over its heads (kernels_pallas.dispatch).
+        with jax.set_mesh(self.mesh):
+            lowered = self.step.lower(self.params, self.kv_caches, self._prepare([], bucket))
+        return lowered.compile()
 
     def warmup(self, max_workers: int = 2) -> None:
         """Compile the step for every token bucket, ahead of time and in parallel (XLA releases the GIL)."""

@@ -7,8 +7,6 @@ the platform passed in so GPU and TPU machines can be described on a CPU.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from jaxserve.config import EngineConfig
@@ -21,7 +19,8 @@ from jaxserve.engine.builder import resolve_attention_backend
     ("auto", "gpu", 1, "pallas_gpu"),
     ("auto", "tpu", 1, "pallas_tpu"),
     ("pallas_gpu", "gpu", 1, "pallas_gpu"),
-    ("auto", "gpu", 2, "reference"),            # the kernels do not shard over KV heads yet
+    ("auto", "gpu", 2, "pallas_gpu"),           # with tp the kernel runs per device over its heads
+    ("pallas_tpu", "tpu", 4, "pallas_tpu"),
     ("reference", "tpu", 2, "reference"),
 ])
 def test_resolution(requested, platform, tp, expected):
@@ -33,18 +32,11 @@ def test_resolution(requested, platform, tp, expected):
     ("pallas_gpu", None, 1, "'pallas_gpu' needs an NVIDIA GPU, but JAX's devices here are 'cpu'; "
                             "available: 'auto', 'reference'"),
     ("pallas_tpu", "gpu", 1, "'pallas_tpu' needs a TPU.* available: 'auto', 'reference', 'pallas_gpu'"),
-    ("pallas_gpu", "gpu", 2, "'pallas_gpu' does not support tensor_parallel_size=2 yet"),
 ])
 def test_refusals_name_what_is_available(requested, platform, tp, message):
     config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp)
     with pytest.raises(ValueError, match=message):
         resolve_attention_backend(config, platform)
-
-
-def test_auto_with_tensor_parallelism_says_it_keeps_the_reference(caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.builder"):
-        resolve_attention_backend(EngineConfig(tensor_parallel_size=2), "gpu")
-    assert "pallas_gpu does not shard over KV heads yet; using the reference" in caplog.text
 
 
 def test_auto_engine_on_cpu_runs_the_reference(tiny_engine):

@@ -6,6 +6,7 @@ process imports jax, which the test process itself cannot do (its jax is already
   python -m tests.sharding.parallel_worker tp MODEL_DIR 1,2,4
   python -m tests.sharding.parallel_worker dp MODEL_DIR
   python -m tests.sharding.parallel_worker host MODEL_DIR ADDRESS NUM_PROCESSES PROCESS_ID
+  python -m tests.sharding.parallel_worker kernel_tp TP
 """
 
 from __future__ import annotations
@@ -157,12 +158,38 @@ def run_host(model_dir, address, num_processes, process_id):
             "mesh_processes": sorted({d.process_index for d in engine.runner.mesh.devices.flat})}
 
 
+def run_kernel_tp(tp):
+    """Max |error| of the Pallas GPU kernel (interpret mode) run per device over tp-sharded heads."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kernels_pallas import ragged_paged_attention
+    from sharding import KV_CACHE_SPEC, make_mesh
+    from tests.kernels.pallas_cases import batch, check_against_reference
+
+    mesh = make_mesh(tp)
+    result = {}
+    for scenario in ("mixed", "prefix_hit"):
+        q, cache, *rest = batch(scenario, group=3)                      # 2 KV heads x 3 query heads each
+        q = jax.device_put(q, NamedSharding(mesh, P(None, "tp", None)))
+        cache = jax.device_put(cache, NamedSharding(mesh, KV_CACHE_SPEC))
+        fn = jax.jit(lambda *a: ragged_paged_attention(*a, backend="pallas_gpu", sm_scale=0.125, interpret=True))
+        with jax.set_mesh(mesh):
+            got = fn(q, cache, *rest)
+            jaxpr = str(jax.make_jaxpr(fn)(q, cache, *rest))
+        check_against_reference(got, scenario, {"group": 3}, sm_scale=0.125)
+        result[scenario] = {"out_devices": len(got.sharding.device_set), "per_device": "shard_map" in jaxpr}
+    return result
+
+
 def main(argv):
     mode, model_dir = argv[0], argv[1]
     if mode == "tp":
         result = run_tp(model_dir, [int(x) for x in argv[2].split(",")])
     elif mode == "dp":
         result = run_dp(model_dir)
+    elif mode == "kernel_tp":
+        result = run_kernel_tp(int(model_dir))
     else:
         result = run_host(model_dir, argv[2], int(argv[3]), int(argv[4]))
     print("RESULT " + json.dumps(result))

@@ -59,6 +59,12 @@ def test_tensor_parallel_1_2_4_give_the_same_tokens_and_logits(tiny_models):
     assert result["4"]["kv_shape"][1] == 4                         # 2 KV heads, each held twice
 
 
+def test_the_pallas_kernel_runs_per_device_over_tensor_parallel_heads():
+    # Interpret mode on CPU; the worker checks the output against the reference (1e-5 relative).
+    result = worker("kernel_tp", 2, devices=2)
+    assert result == {s: {"out_devices": 2, "per_device": True} for s in ("mixed", "prefix_hit")}
+
+
 def test_data_parallel_2_serves_a_mixed_workload_like_1(tiny_models):
     result = worker("dp", tiny_models["llama"])
     one, two = result["1"], result["2"]
