@@ -10,7 +10,9 @@ engine's decode and prefill steps against the floors they set.
 - Offline workloads (offline_throughput.py): the same floors summed over their steps.
 
 Engine steps are timed on the engine's own runner with synthetic scheduler outputs (K/V
-contents do not change the time), so long contexts cost no prefill.
+contents do not change the time), so long contexts cost no prefill. One more run of each
+step is traced with `jax.profiler` and its device time split by kind (trace_summary.py):
+attention loops, matmuls, KV cache writes, the rest.
 
     python benchmarks/roofline.py [--decode 1,8,32,64] [--contexts 128,1024] [--prefill 64,256,512]
 """
@@ -21,11 +23,15 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from trace_summary import summarize_trace
 
 from jaxserve.core import SamplingParams
 from jaxserve.core.outputs import NewRequestData, SchedulerOutput
@@ -99,16 +105,21 @@ class Model:
         return {"memory": read / (bw * 1e9), "compute": flops / (rate * 1e9)}
 
 
-def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context: int, reps: int) -> float:
-    """Median seconds of runner.execute() for num_seqs sequences computing q_tokens each after `context`."""
+def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context: int, reps: int,
+                        trace_dir: Path | None = None) -> tuple[float, dict[str, float]]:
+    """Median seconds of runner.execute() for num_seqs sequences computing q_tokens each after `context`,
+    and (with `trace_dir`) where one more step's device time went, by kind (trace_summary.py)."""
     runner, bs = engine.runner, engine.scheduler.config.block_size
     blocks_per_seq = -(-(context + q_tokens) // bs)
     if num_seqs * blocks_per_seq >= runner.num_blocks:
         raise ValueError(f"{num_seqs} x {blocks_per_seq} blocks exceed the pool of {runner.num_blocks}")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     previous: set[str] = set()
-    times = []
-    for rep in range(reps + 1):
+    times, kinds = [], {}
+    for rep in range(reps + 1 + (trace_dir is not None)):
+        tracing = trace_dir is not None and rep == reps + 1
+        if tracing:
+            jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
         ids = [f"r{rep}-{i}" for i in range(num_seqs)]
         new = [NewRequestData(req_id=r, prompt_token_ids=[(7 * i + j) % 4000 + 100 for j in range(context + q_tokens)],
                               output_token_ids=[], sampling_params=params, seed=0,
@@ -120,11 +131,14 @@ def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context
                              finished_req_ids=previous)
         t0 = time.perf_counter()
         runner.execute(so)
-        if rep:
+        if tracing:
+            jax.profiler.stop_trace()
+            kinds = summarize_trace(trace_dir)
+        elif rep:
             times.append(time.perf_counter() - t0)
         previous = set(ids)
     runner.states.clear()
-    return statistics.median(times)
+    return statistics.median(times), kinds
 
 
 def xla_costs(engine: LLMEngine) -> dict[int, dict[str, float]]:
@@ -177,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="64,256,512", help="prefill chunk sizes (one sequence, after 256 tokens)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--result-file", default=None)
+    ap.add_argument("--trace-dir", default=None, help="where the per-step jax.profiler traces go (default: a temp dir)")
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.decode.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -198,23 +213,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model.params / 1e6:.1f} M params ({model.layer_params / 1e6:.1f} M outside the embedding), "
           f"weights {model.weight_bytes / 1e6:.0f} MB, KV {model.kv_bytes_per_token / 1e3:.1f} kB per token")
     rows = []
+    trace_root = Path(args.trace_dir or tempfile.mkdtemp(prefix="jaxserve-roofline-trace-"))
     print("\n| step | tokens | context | measured (ms) | memory floor (ms) | compute floor (ms) "
-          "| floor / measured | bandwidth used (GB/s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| floor / measured | bandwidth used (GB/s) | attention / matmul / KV write / other (trace) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def row(kind, seqs, q, c):
+        t, kinds = synthetic_step_time(engine, seqs, q, c, args.reps, trace_root / f"{kind}-{seqs}x{q}-{c}")
+        f = model.step_floor(seqs, q, c, read_bw, rate)
+        rows.append({"step": kind, "seqs": seqs, "tokens": seqs * q, "context": c, "seconds": t, **f,
+                     "trace_seconds": kinds})
+        read = model.weight_bytes + seqs * (c + q) * model.kv_bytes_per_token
+        ops = sum(v for k, v in kinds.items() if k != "steps wall") or float("nan")
+        split = " / ".join(f"{kinds.get(k, 0.0) / ops:.0%}" for k in ("attention loops", "matmul",
+                                                                      "KV cache write", "other"))
+        print(f"| {kind} | {seqs * q} | {c} | {t * 1e3:.1f} | {f['memory'] * 1e3:.1f} | {f['compute'] * 1e3:.1f} "
+              f"| {max(f.values()) / t:.2f} | {read / t / 1e9:.1f} | {split} |", flush=True)
     for c in contexts:
         for b in batches:
-            t = synthetic_step_time(engine, b, 1, c, args.reps)
-            f = model.step_floor(b, 1, c, read_bw, rate)
-            rows.append({"step": "decode", "seqs": b, "context": c, "seconds": t, **f})
-            read = model.weight_bytes + b * (c + 1) * model.kv_bytes_per_token
-            print(f"| decode | {b} | {c} | {t * 1e3:.1f} | {f['memory'] * 1e3:.1f} | {f['compute'] * 1e3:.1f} | "
-                  f"{max(f.values()) / t:.2f} | {read / t / 1e9:.1f} |", flush=True)
+            row("decode", b, 1, c)
     for q in chunks:
-        t = synthetic_step_time(engine, 1, q, 256, args.reps)
-        f = model.step_floor(1, q, 256, read_bw, rate)
-        rows.append({"step": "prefill", "seqs": 1, "tokens": q, "context": 256, "seconds": t, **f})
-        print(f"| prefill | {q} | 256 | {t * 1e3:.1f} | {f['memory'] * 1e3:.1f} | {f['compute'] * 1e3:.1f} | "
-              f"{max(f.values()) / t:.2f} | - |", flush=True)
+        row("prefill", 1, q, 256)
     costs = xla_costs(engine)
     if costs:
         print("\nXLA's cost analysis of the compiled step (whole bucket, every sequence slot):")
