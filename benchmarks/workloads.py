@@ -149,8 +149,10 @@ def long_prompt_burst(num_streams: int = 16, *, token_budget: int, factor: int =
     streams = [_ids(rng, stream_prompt_len, vocab_size) for _ in range(num_streams)]
     long_prompt = _ids(rng, factor * token_budget, vocab_size)
     if stream_max_tokens is None:
-        # Worst case: every step gives the streams one token and the long prompt what is left of the
-        # budget; the streams must keep decoding until it is done, and a little after.
-        left = max(1, token_budget - num_streams)
-        stream_max_tokens = steady_tokens + -(-len(long_prompt) // left) + 16
+        # Every stream must still be decoding when the long prompt's prefill ends. The first stream
+        # starts decoding while the others' prompts are still being admitted (up to one budget of
+        # prompt tokens a step), and each step gives the long prompt what the decodes leave of it.
+        admission = -(-num_streams * stream_prompt_len // token_budget)
+        burst = -(-len(long_prompt) // max(1, token_budget - num_streams))
+        stream_max_tokens = steady_tokens + admission + burst + 16
     return BurstWorkload(streams, stream_max_tokens, steady_tokens, long_prompt, long_max_tokens)
