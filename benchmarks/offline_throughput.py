@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{total_out} | {js['seconds']:.1f} | {total_out / js['seconds']:.1f} |")
     if args.transformers:
         hf = result["transformers"]["seconds"]
-        print(f"| transformers generate (batch {args.transformers_batch}) | {len(prompts)} | {prompt_tokens} | "
+        batch = min(args.transformers_batch, len(prompts))
+        print(f"| transformers generate (batch {batch}) | {len(prompts)} | {prompt_tokens} | "
               f"{prompt_tokens} | {total_out} | {hf:.1f} | {total_out / hf:.1f} |")
         result["ratio"] = hf / js["seconds"]
         print(f"ratio jaxserve / transformers (output tok/s): {result['ratio']:.2f}x")
