@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         outs = {label: run_config(args, workloads[name], flags, log_dir / f"{name}-{label}.log")
                 for label, flags in configs}
         results[name] = outs
-        report += [f"\n## {name} on {workloads[name]}", *tables[name](outs["on"], outs["off"])]
+        try:
+            report += [f"\n## {name} on {workloads[name]}", *tables[name](outs["on"], outs["off"])]
+        except KeyError as e:   # a run that failed has no such number; its JSON says why
+            report += [f"\n## {name}: no table, a run is missing {e} (see the JSON results)"]
     print("\n".join(report))
     path = args.result_file or "ablations.json"
     with open(path, "w") as f:
