@@ -68,14 +68,32 @@ def save_orbax_folder(path: str | os.PathLike, params: dict[str, Any], source: C
 
 
 def restore_orbax_params(params_path: str, target):
-    """Restore into `target`, a pytree of jax.ShapeDtypeStruct carrying the wanted shardings."""
+    """Restore into `target`, a nested dict of jax.ShapeDtypeStruct carrying the wanted shardings.
+
+    The stored tree is checked against `target` first (names and shapes), so a folder whose
+    config.json does not match its params fails before any array is read.
+    """
+    import jax
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as checkpointer:
-        try:
-            return checkpointer.restore(params_path, target)
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{params_path}: does not fit the model built from its config.json: {e}") from e
+        stored = checkpointer.metadata(params_path).item_metadata
+        stored_shapes = {_dotted(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(stored)}
+        wanted_shapes = {_dotted(p): tuple(t.shape) for p, t in jax.tree_util.tree_leaves_with_path(target)}
+        if stored_shapes != wanted_shapes:
+            missing = sorted(set(wanted_shapes) - set(stored_shapes))
+            extra = sorted(set(stored_shapes) - set(wanted_shapes))
+            wrong = sorted(k for k in set(wanted_shapes) & set(stored_shapes) if wanted_shapes[k] != stored_shapes[k])
+            detail = "; ".join(f"{what}: {', '.join(names[:3])}" for what, names in (
+                ("missing", missing), ("unexpected", extra),
+                ("shape", [f"{k} {stored_shapes[k]} != {wanted_shapes[k]}" for k in wrong])) if names)
+            raise CheckpointError(f"{params_path}: does not fit the model built from its config.json ({detail})")
+        return checkpointer.restore(params_path, target)
+
+
+def _dotted(key_path) -> str:
+    """'layers.0.mlp.up_proj.kernel' (stored trees key layers by "0", models by 0)."""
+    return ".".join(str(getattr(k, "key", k)) for k in key_path)
 
 
 def _write_json(path: Path, value: Any) -> None:
