@@ -179,8 +179,10 @@ def _ragged_paged_attention(q, kv_cache, block_tables, context_lens, query_start
     num_short, num_long = is_short.sum(dtype=jnp.int32), is_long.sum(dtype=jnp.int32)
     knobs = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk)
     if decode_query_len > 0:
+        # A group never has more rows than there are sequence slots: padding rows of a group
+        # still gather pages (of the null block), so at batch 1 a group of 8 did 8x the work.
         out = _short_sequences(qs, out, kv_cache, seqs, order, num_short, rows=decode_query_len,
-                               seq_tile=decode_seq_tile, **knobs)
+                               seq_tile=min(decode_seq_tile, num_seq_slots), **knobs)
     out = _long_sequences(qs, out, kv_cache, seqs, order, num_short, num_long,
                           query_tile=query_tile, **knobs)
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
