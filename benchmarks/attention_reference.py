@@ -91,6 +91,8 @@ def time_calls(fns, args, *, repeats, clock, warmup=2):
 
 
 CASES = {
+    "decode 1 x ctx 128": [(128, 1)],        # with --seq-slots 1: a batch-1 decode step
+    "decode 1 x ctx 1024": [(1024, 1)],
     "decode 32 x ctx 256": [(256, 1)] * 32,
     "decode 32 x ctx 1024": [(1024, 1)] * 32,
     "decode 64 x ctx 256": [(256, 1)] * 64,
