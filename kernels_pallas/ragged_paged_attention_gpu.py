@@ -112,8 +112,7 @@ def _ragged_paged_attention_gpu(q, kv_cache, block_tables, context_lens, query_s
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     work_items.check_pallas_inputs(q, kv_cache, kind="Pallas GPU attention", page_size_ok=_is_power_of_2,
                         page_size_rule="a power of 2 (Triton loads have power-of-2 shapes)")
-    num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, page_size, _ = kv_cache.shape
+    head_dim, num_kv_heads = q.shape[2], kv_cache.shape[1]
     if not _is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"Pallas GPU attention: head_dim {head_dim} must be a power of 2 >= 16")
     table = tuning.gpu_block_sizes(head_dim, q.dtype.name)
@@ -131,38 +130,19 @@ def _ragged_paged_attention_gpu(q, kv_cache, block_tables, context_lens, query_s
         for knob in pair:
             _check_knob(name, knob)
 
-    gp = work_items.next_power_of_2(num_heads // num_kv_heads)
-    pages_per_block = max(1, kv_block // page_size)
     num_slots = block_tables.shape[0]
     if kv_splits is None:
         sms = num_sms or _device_sms()
         kv_splits = min(table.max_kv_splits, max(1, -(-2 * sms // (num_slots * num_kv_heads))))
     _check_knob("kv_splits", kv_splits)
 
-    # Block tables padded to whole KV blocks, so a block's page slice never runs off the row.
-    max_blocks = block_tables.shape[1]
-    tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % pages_per_block)))
-    seqs = work_items.sequences(context_lens, query_start_loc, num_seqs)
-    q4 = work_items.grouped_queries(q, num_kv_heads)                 # [T, KVH, gp, D]
-    out = jnp.zeros(q4.shape, q.dtype)
-    kernel = functools.partial(
-        _call, kv_cache=kv_cache, tables=tables, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, pages_per_block=pages_per_block, gp=gp, interpret=interpret)
-
-    decode_tokens = work_items.tokens_per_item(decode_rows, gp)
-    items = work_items.decode_items(q4, seqs, tokens=decode_tokens)
-    tiles = kernel(items, num_splits=kv_splits, num_warps=warps[0], num_stages=stages[0], name="decode")
-    out = work_items.scatter_items(out, tiles, items.rows)
-
-    prefill_tokens = work_items.tokens_per_item(prefill_rows, gp)
-    num_items = work_items.num_prefill_items(num_tokens, num_slots, tokens=prefill_tokens,
-                                             decode_tokens=decode_tokens)
-    if num_items:  # static: 0 when no sequence in T tokens can outgrow a decode item
-        items = work_items.prefill_items(q4, seqs, tokens=prefill_tokens, decode_tokens=decode_tokens,
-                                         num_items=num_items)
-        tiles = kernel(items, num_splits=1, num_warps=warps[1], num_stages=stages[1], name="prefill")
-        out = work_items.scatter_items(out, tiles, items.rows)
-    return work_items.ungroup(out, num_heads)
+    def call(items, phase, **layout):
+        i = 0 if phase == "decode" else 1
+        return _call(items, kv_cache=kv_cache, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                     num_splits=kv_splits if phase == "decode" else 1, num_warps=warps[i], num_stages=stages[i],
+                     interpret=interpret, name=phase, **layout)
+    return work_items.run_items(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
+                                decode_rows=decode_rows, prefill_rows=prefill_rows, kv_block=kv_block, call=call)
 
 
 def _device_sms() -> int:

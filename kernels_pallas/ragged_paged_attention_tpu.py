@@ -94,9 +94,7 @@ def _ragged_paged_attention_tpu(q, kv_cache, block_tables, context_lens, query_s
     sublanes = _sublanes(q.dtype) if q.dtype == kv_cache.dtype else 8
     work_items.check_pallas_inputs(q, kv_cache, kind="Pallas TPU attention", page_size_ok=lambda n: n % sublanes == 0,
                         page_size_rule=f"a multiple of {sublanes} (the sublane tiling of {q.dtype.name})")
-    num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, _, page_size, _ = kv_cache.shape
-    table = tuning.tpu_block_sizes(head_dim, q.dtype.name)
+    table = tuning.tpu_block_sizes(q.shape[2], q.dtype.name)
     decode_rows = table.decode_rows if decode_rows is None else decode_rows
     prefill_rows = table.prefill_rows if prefill_rows is None else prefill_rows
     kv_block = table.kv_block if kv_block is None else kv_block
@@ -104,30 +102,12 @@ def _ragged_paged_attention_tpu(q, kv_cache, block_tables, context_lens, query_s
         if not isinstance(knob, int) or isinstance(knob, bool) or knob < sublanes or knob % sublanes:
             raise ValueError(f"{name} must be a multiple of {sublanes} (sublane tiling), got {knob!r}")
 
-    gp = work_items.next_power_of_2(num_heads // num_kv_heads)
-    pages_per_block = max(1, kv_block // page_size)
-    num_slots, max_blocks = block_tables.shape
-    tables = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % pages_per_block)))
-    seqs = work_items.sequences(context_lens, query_start_loc, num_seqs)
-    q4 = work_items.grouped_queries(q, num_kv_heads)                 # [T, KVH, gp, D]
-    out = jnp.zeros(q4.shape, q.dtype)
-    kernel = functools.partial(
-        _call, kv_cache=kv_cache, tables=tables, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, pages_per_block=pages_per_block, gp=gp, interpret=interpret)
-
     # Rows stay whole sublane tiles: gp is a power of 2, the row knobs multiples of the tiling.
-    decode_tokens = work_items.tokens_per_item(decode_rows, gp)
-    items = work_items.decode_items(q4, seqs, tokens=decode_tokens)
-    out = work_items.scatter_items(out, kernel(items, name="decode"), items.rows)
-
-    prefill_tokens = work_items.tokens_per_item(prefill_rows, gp)
-    num_items = work_items.num_prefill_items(num_tokens, num_slots, tokens=prefill_tokens,
-                                             decode_tokens=decode_tokens)
-    if num_items:
-        items = work_items.prefill_items(q4, seqs, tokens=prefill_tokens, decode_tokens=decode_tokens,
-                                         num_items=num_items)
-        out = work_items.scatter_items(out, kernel(items, name="prefill"), items.rows)
-    return work_items.ungroup(out, num_heads)
+    def call(items, phase, **layout):
+        return _call(items, kv_cache=kv_cache, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                     interpret=interpret, name=phase, **layout)
+    return work_items.run_items(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
+                                decode_rows=decode_rows, prefill_rows=prefill_rows, kv_block=kv_block, call=call)
 
 
 def _call(items: work_items.WorkItems, *, kv_cache, tables, sm_scale, sliding_window, soft_cap,

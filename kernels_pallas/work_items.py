@@ -141,6 +141,37 @@ def ungroup(out, num_heads: int):
     return out[:, :, :num_heads // num_kv_heads].reshape(num_tokens, num_heads, head_dim)
 
 
+def run_items(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *, decode_rows: int,
+              prefill_rows: int, kv_block: int, call) -> jax.Array:
+    """The ragged batch through a kernel in two launches (decode items, then prefill tiles) -> [T, H, D].
+
+    `call(items, phase, *, tables, pages_per_block, gp)` runs the kernel over `items`
+    (phase "decode" or "prefill") and returns their outputs [N, KVH, R, D]; `tables` are
+    the block tables padded to whole KV blocks of `pages_per_block` pages, so a block's
+    page slice never runs off the row.
+    """
+    num_tokens, num_heads, _ = q.shape
+    _, num_kv_heads, _, page_size, _ = kv_cache.shape
+    num_slots, max_blocks = block_tables.shape
+    layout = dict(pages_per_block=max(1, kv_block // page_size),
+                  gp=next_power_of_2(num_heads // num_kv_heads))
+    layout["tables"] = jnp.pad(block_tables, ((0, 0), (0, -max_blocks % layout["pages_per_block"])))
+    seqs = sequences(context_lens, query_start_loc, num_seqs)
+    q4 = grouped_queries(q, num_kv_heads)                                 # [T, KVH, gp, D]
+    out = jnp.zeros(q4.shape, q.dtype)
+
+    decode_tokens = tokens_per_item(decode_rows, layout["gp"])
+    items = decode_items(q4, seqs, tokens=decode_tokens)
+    out = scatter_items(out, call(items, "decode", **layout), items.rows)
+
+    prefill_tokens = tokens_per_item(prefill_rows, layout["gp"])
+    num_items = num_prefill_items(num_tokens, num_slots, tokens=prefill_tokens, decode_tokens=decode_tokens)
+    if num_items:  # static: 0 when no sequence in T tokens can outgrow a decode item
+        items = prefill_items(q4, seqs, tokens=prefill_tokens, decode_tokens=decode_tokens, num_items=num_items)
+        out = scatter_items(out, call(items, "prefill", **layout), items.rows)
+    return ungroup(out, num_heads)
+
+
 def combine_splits(acc, m, l):
     """Merge flash-decoding partials acc [K, ...R, D], m / l [K, ...R] (unnormalised) -> [...R, D] f32."""
     m_all = m.max(axis=0)
