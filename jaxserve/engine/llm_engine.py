@@ -249,7 +249,7 @@ class LLMEngine:
             raise RuntimeError("follow() is for processes other than 0 of a multi-process engine")
         while (message := self._channel.receive()) != STOP:
             for replica, so in zip(self.replicas, message):
-                replica.runner.collect(replica.runner.launch(so))
+                replica.runner.execute(so)
 
     def shutdown(self) -> None:
         """Release followers (multi-process leader); a no-op otherwise. Idempotent."""

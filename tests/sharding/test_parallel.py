@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+
+from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,6 @@ def worker(*args, devices=8, timeout=600):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensor_parallel_1_2_4_give_the_same_tokens_and_logits(tiny_models):
