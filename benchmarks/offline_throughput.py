@@ -81,7 +81,8 @@ def run_jaxserve(args, prompts) -> dict:
     t0 = time.perf_counter()
     max_len = max(map(len, prompts)) + args.output_len
     llm = LLM(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              max_model_len=-(-max_len // 128) * 128, enable_prefix_caching=args.prefix_caching)
+              max_model_len=-(-max_len // 128) * 128, enable_prefix_caching=args.prefix_caching,
+              dtype=args.dtype)
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     # First-call costs, on a prompt that shares nothing with the workload.
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=None, help="default: the workload's")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--dtype", default="float32", help="jaxserve's --dtype")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                     help="also time transformers' batched generate (side by side, same prompts)")

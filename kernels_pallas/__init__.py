@@ -8,7 +8,8 @@ dispatches by name. Block sizes live in `tuning`; `work_items` is what the two P
 kernels share.
 """
 
-from kernels_pallas.dispatch import ATTENTION_BACKENDS, ragged_paged_attention, resolve_attention_backend
+from kernels_pallas.dispatch import (ATTENTION_BACKENDS, kv_pool_dtype, ragged_paged_attention,
+                                     resolve_attention_backend)
 from kernels_pallas.ragged_paged_attention import (
     check_ragged_paged_attention_inputs,
     ragged_paged_attention_reference,
@@ -18,6 +19,7 @@ from kernels_pallas.ragged_paged_attention import (
 __all__ = [
     "ATTENTION_BACKENDS",
     "check_ragged_paged_attention_inputs",
+    "kv_pool_dtype",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "resolve_attention_backend",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
@@ -44,6 +45,20 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
         raise ValueError(f"attention_backend={requested!r} needs {device}, but JAX's devices here are "
                          f"{platform!r}; available: 'auto', {', '.join(repr(b) for b in available)}")
     return requested
+
+
+def kv_pool_dtype(dtype, backend: str):
+    """The dtype the KV pool is stored in for `backend`, given the model's KV `dtype`.
+
+    The reference stores 16-bit floats as their uint16 bits: XLA:CPU has no bfloat16
+    scatter or gather and would convert every layer's whole pool to float32 twice a step.
+    It reads and writes those bits as the queries' own float type. Pallas backends keep
+    the float type.
+    """
+    dtype = jnp.dtype(dtype)
+    if backend == "reference" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.uint16)
+    return dtype
 
 
 def ragged_paged_attention(

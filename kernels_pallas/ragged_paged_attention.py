@@ -41,6 +41,7 @@ def check_ragged_paged_attention_inputs(
     if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be a float [T, num_q_heads, head_dim] array, got {q.dtype}{list(q.shape)}")
     _check_kv_cache(kv_cache)
+    _check_bits_dtype("q", q, kv_cache)
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = kv_cache.shape[1]
     if kv_cache.shape[4] != head_dim:
@@ -68,10 +69,18 @@ def check_ragged_paged_attention_inputs(
 
 
 def _check_kv_cache(kv_cache) -> None:
-    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2 or not jnp.issubdtype(kv_cache.dtype, jnp.floating):
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2 or not (
+            jnp.issubdtype(kv_cache.dtype, jnp.floating) or kv_cache.dtype == jnp.uint16):
         raise ValueError(
-            "kv_cache must be a float [2, num_kv_heads, num_blocks, block_size, head_dim] array, "
-            f"got {kv_cache.dtype}{list(kv_cache.shape)}")
+            "kv_cache must be a float (or uint16 bits) [2, num_kv_heads, num_blocks, block_size, head_dim] "
+            f"array, got {kv_cache.dtype}{list(kv_cache.shape)}")
+
+
+def _check_bits_dtype(name, x, kv_cache) -> None:
+    """A uint16 pool holds the bits of 16-bit floats: `x` must be that float type."""
+    if kv_cache.dtype == jnp.uint16 and not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2):
+        raise ValueError(f"a uint16 kv_cache holds 16-bit float bits, so {name} must be bfloat16 or float16, "
+                         f"got {x.dtype}")
 
 
 def _check_int32(name, x, *, ndim) -> None:
@@ -79,9 +88,18 @@ def _check_int32(name, x, *, ndim) -> None:
         raise ValueError(f"{name} must be an int32 array of rank {ndim}, got {x.dtype}{list(x.shape)}")
 
 
+def _bits_to(x, dtype):
+    """uint16 bits -> the 16-bit float `dtype` they hold; float arrays pass through."""
+    return lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
+
+
 def write_kv_cache(kv_cache, k, v, slot_mapping):
-    """Write this step's K/V [T, num_kv_heads, head_dim] into their flat slots; in place when donated."""
+    """Write this step's K/V [T, num_kv_heads, head_dim] into their flat slots; in place when donated.
+
+    A uint16 `kv_cache` stores the bits of k/v's 16-bit float type (see `kv_pool_dtype`).
+    """
     _check_kv_cache(kv_cache)
+    _check_bits_dtype("k", k, kv_cache)
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     for name, x in (("k", k), ("v", v)):
         if x.ndim != 3 or x.shape[1:] != (num_kv_heads, head_dim):
@@ -92,8 +110,10 @@ def write_kv_cache(kv_cache, k, v, slot_mapping):
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping length {slot_mapping.shape[0]} != number of tokens {k.shape[0]}")
     flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, kv_heads, T, D]
-    flat = flat.at[:, :, slot_mapping].set(kv, mode="drop")
+    kv = jnp.stack([k, v]).transpose(0, 2, 1, 3)                          # [2, kv_heads, T, D]
+    if kv_cache.dtype == jnp.uint16:
+        kv = lax.bitcast_convert_type(kv.astype(k.dtype), jnp.uint16)
+    flat = flat.at[:, :, slot_mapping].set(kv.astype(kv_cache.dtype), mode="drop")
     return flat.reshape(kv_cache.shape)
 
 
@@ -177,7 +197,7 @@ def _ragged_paged_attention(q, kv_cache, block_tables, context_lens, query_start
     is_long = q_lens > decode_query_len
     order = jnp.argsort(jnp.where(is_short, 0, jnp.where(is_long, 1, 2)), stable=True).astype(jnp.int32)
     num_short, num_long = is_short.sum(dtype=jnp.int32), is_long.sum(dtype=jnp.int32)
-    knobs = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk)
+    knobs = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk, bits_dtype=q.dtype)
     if decode_query_len > 0:
         # A group never has more rows than there are sequence slots: padding rows of a group
         # still gather pages (of the null block), so at batch 1 a group of 8 did 8x the work.
@@ -238,11 +258,12 @@ def _page_rows(kv_cache, blocks):
     return jnp.stack([k_rows, k_rows + num_kv_heads * num_blocks])
 
 
-def _gather_pages(kv_cache, rows, key_ok):
+def _gather_pages(kv_cache, rows, key_ok, bits_dtype):
     """K and V of the pages at `rows` [2, kv_heads, ..., C], each [kv_heads, ..., C * block_size, D] f32.
 
     Keys outside the context (`key_ok` false) get V = 0, so stale garbage in a page
-    (even NaN) cannot leak through a zero softmax weight.
+    (even NaN) cannot leak through a zero softmax weight. A uint16 cache is read as
+    `bits_dtype` (the queries' 16-bit float type) after the gather, on the gathered rows only.
     """
     two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     # Gathering whole rows of one (K or V, head, block) page each yields K and V
@@ -251,13 +272,14 @@ def _gather_pages(kv_cache, rows, key_ok):
     pages = kv_cache.reshape(two * num_kv_heads * num_blocks, block_size * head_dim)
 
     def gather(rows):  # -> [KVH, ..., C * BS, D]
-        out = jnp.take(pages, rows.reshape(-1), axis=0, mode="clip")
+        out = _bits_to(jnp.take(pages, rows.reshape(-1), axis=0, mode="clip"), bits_dtype)
         return out.reshape(*rows.shape[:-1], -1, head_dim).astype(_F32)
 
     return gather(rows[0]), jnp.where(key_ok[..., None], gather(rows[1]), 0.0)
 
 
-def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, sliding_window, soft_cap, chunk):
+def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, sliding_window, soft_cap, chunk,
+                     bits_dtype):
     """Sequences with 1..`rows` queries, `seq_tile` at a time, batched over the group."""
     _, num_kv_heads, group, head_dim = qs.shape
     block_size = kv_cache.shape[3]
@@ -291,7 +313,7 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
             c = first_chunk + i                                    # [G]
             rows = lax.dynamic_slice_in_dim(page_rows, i * chunk, chunk, axis=3)  # [2, KVH, G, C]
             key_pos = c[:, None] * chunk_tokens + jnp.arange(chunk_tokens)  # [G, CT]
-            k, v = _gather_pages(kv_cache, rows, key_pos < ctx[:, None])  # [KVH, G, CT, D]
+            k, v = _gather_pages(kv_cache, rows, key_pos < ctx[:, None], bits_dtype)  # [KVH, G, CT, D]
             scores = jnp.einsum("hgrd,hgkd->hgrk", qg, k)
             mask = _key_mask(key_pos, q_pos, sliding_window)       # [G, R, CT]
             return _softmax_update(state, scores, mask, v, "hgrk,hgkd->hgrd", soft_cap)
@@ -306,7 +328,8 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
     return lax.fori_loop(0, _cdiv(count, seq_tile), group_body, out)
 
 
-def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile, sliding_window, soft_cap, chunk):
+def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile, sliding_window, soft_cap,
+                    chunk, bits_dtype):
     """Sequences with more queries than the decode path takes, one at a time, in query tiles."""
     _, num_kv_heads, group, head_dim = qs.shape
     block_size = kv_cache.shape[3]
@@ -334,7 +357,7 @@ def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile,
                 c = first_chunk + i
                 rows = lax.dynamic_slice_in_dim(page_rows, c * chunk, chunk, axis=2)  # [2, KVH, C]
                 key_pos = c * chunk_tokens + jnp.arange(chunk_tokens)           # [CT]
-                k, v = _gather_pages(kv_cache, rows, key_pos < ctx)             # [KVH, CT, D]
+                k, v = _gather_pages(kv_cache, rows, key_pos < ctx, bits_dtype)             # [KVH, CT, D]
                 scores = jnp.einsum("hrd,hkd->hrk", qt, k)
                 mask = _key_mask(key_pos, q_pos, sliding_window)                # [R, CT]
                 return _softmax_update(state, scores, mask, v, "hrk,hkd->hrd", soft_cap)

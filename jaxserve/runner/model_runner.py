@@ -26,6 +26,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.runner.inputs import (RequestState, StepInputs, num_seqs_for_bucket, pick_bucket,
                                     prepare_inputs, token_buckets)
 from jaxserve.runner.sampler import sample
+from kernels_pallas import kv_pool_dtype
 from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class ModelRunner:
         self.params = shard_params(params, self.mesh)      # by sharding.PARAM_RULES (no-op if already placed)
         kv_shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
         kv_sharding = kv_cache_sharding(self.mesh)
-        self.kv_caches = [jnp.zeros(kv_shape, kv_dtype, device=kv_sharding)
+        self.kv_dtype = kv_pool_dtype(kv_dtype, config.attention_backend)   # uint16 bits for bf16 on CPU
+        self.kv_caches = [jnp.zeros(kv_shape, self.kv_dtype, device=kv_sharding)
                           for _ in range(config.num_hidden_layers)]
         # Pin the returned pool to the pool's own sharding; otherwise XLA may pick another
         # and the next call, seeing a new input sharding, would compile again.
