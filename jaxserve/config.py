@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class EngineConfig:
                                               # of two up to the budget); fewer buckets = faster warm-up
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    attention_backend: str = "auto"           # "auto" picks by platform; "reference" forces pure jnp
+    attention_backend: str = "auto"           # "auto" picks by platform ("cpu" on CPUs); "reference": the oracle
     seed: int = 0                             # seeds parameter init for random models; not sampling
     compilation_cache_dir: str | None = None  # persistent XLA cache (default: under the user's cache dir)
     # Multi-host: one engine over the devices of `num_processes` processes (jax.distributed);

@@ -7,7 +7,8 @@ name. The Pallas modules are imported only when their backend is traced, so the 
 path never loads them. Under a mesh with a "tp" axis (tensor parallelism) every backend
 runs per device over that device's heads (shard_map), so no device gathers the cache.
 
-Backends: "reference" (pure jnp; the CPU path and the kernels' oracle), "pallas_gpu"
+Backends: "reference" (pure jnp; the kernels' oracle), "cpu" (pure jnp; this step's keys
+read in place, only earlier context through pages: the CPU production path), "pallas_gpu"
 (Triton-lowered Pallas kernel, NVIDIA GPUs), "pallas_tpu" (Mosaic Pallas kernel, TPUs).
 """
 
@@ -20,12 +21,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
+from kernels_pallas.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 
-ATTENTION_BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("reference", "cpu", "pallas_gpu", "pallas_tpu")
 # Mesh axis that splits attention heads (tensor parallelism). Traced under a mesh with this
 # axis (the runner sets its mesh), the op runs per device on its heads through shard_map.
 KV_HEAD_AXIS = "tp"
-# JAX platform name -> the backend "auto" picks there; anything else gets the reference.
+# JAX platform name -> the backend "auto" picks there; anything else gets "cpu" (pure jnp).
 _PLATFORM_BACKENDS = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 
 
@@ -35,7 +37,7 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
     Raises ValueError naming the request and what this platform offers when a Pallas
     backend is asked for on a machine without its device.
     """
-    available = ["reference"] + ([_PLATFORM_BACKENDS[platform]] if platform in _PLATFORM_BACKENDS else [])
+    available = ["reference", "cpu"] + ([_PLATFORM_BACKENDS[platform]] if platform in _PLATFORM_BACKENDS else [])
     if requested == "auto":
         return available[-1]
     if requested not in ATTENTION_BACKENDS:
@@ -50,13 +52,13 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
 def kv_pool_dtype(dtype, backend: str):
     """The dtype the KV pool is stored in for `backend`, given the model's KV `dtype`.
 
-    The reference stores 16-bit floats as their uint16 bits: XLA:CPU has no bfloat16
+    The pure-jnp backends store 16-bit floats as their uint16 bits: XLA:CPU has no bfloat16
     scatter or gather and would convert every layer's whole pool to float32 twice a step.
     It reads and writes those bits as the queries' own float type. Pallas backends keep
     the float type.
     """
     dtype = jnp.dtype(dtype)
-    if backend == "reference" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+    if backend in ("reference", "cpu") and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
         return jnp.dtype(jnp.uint16)
     return dtype
 
@@ -74,12 +76,18 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
+    k=None,           # [T, num_kv_heads, head_dim] this step's keys: needed by "cpu", ignored by the others
+    v=None,           # [T, num_kv_heads, head_dim] this step's values
 ) -> jax.Array:
     """The backend's ragged paged attention -> [T, num_q_heads, head_dim] (same contract for all).
 
-    `interpret` runs a Pallas backend in its interpreter (CPU tests); the reference ignores it.
+    `interpret` runs a Pallas backend in its interpreter (CPU tests); the others ignore it.
     """
-    args = (q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
+    if backend == "cpu" and (k is None or v is None):
+        raise ValueError("backend='cpu' reads this step's keys in place: pass k= and v= ([T, num_kv_heads, head_dim])")
+    if k is None:
+        k = v = jnp.zeros((q.shape[0], kv_cache.shape[1], 0), q.dtype)   # unused by this backend
+    args = (q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
     kernel = functools.partial(_one_shard, backend=backend, sm_scale=sm_scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
@@ -87,17 +95,20 @@ def ragged_paged_attention(
         # Tensor parallel: each device attends with its own query heads over its own KV heads
         # (heads are split into contiguous groups, so a device's query heads read only its KV heads).
         heads = P(None, KV_HEAD_AXIS, None)
-        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, P(None, KV_HEAD_AXIS), P(), P(), P(), P()),
+        kernel = jax.shard_map(kernel, mesh=mesh,
+                               in_specs=(heads, heads, heads, P(None, KV_HEAD_AXIS), P(), P(), P(), P()),
                                out_specs=heads, check_vma=False)
     return kernel(*args)
 
 
-def _one_shard(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *, backend, sm_scale,
+def _one_shard(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *, backend, sm_scale,
                sliding_window, soft_cap, interpret):
     args = (q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
     masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **masks)
+    if backend == "cpu":
+        return ragged_paged_attention_cpu(q, k, v, *args[1:], **masks)
     if backend == "pallas_gpu":
         from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
         return ragged_paged_attention_gpu(*args, **masks, interpret=interpret)

@@ -124,6 +124,7 @@ class _SeqInfo:
     context_lens: jax.Array  # [S] int32, 0 for padding sequences
     starts: jax.Array        # [S] int32 first q row
     q_lens: jax.Array        # [S] int32, 0 for padding sequences
+    key_limits: jax.Array    # [S] int32: only keys at positions < this are read (0: the sequence is skipped)
 
 
 def ragged_paged_attention_reference(
@@ -177,35 +178,60 @@ def _ragged_paged_attention(q, kv_cache, block_tables, context_lens, query_start
             raise ValueError(f"{name} must be an int >= {least}, got {knob!r}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
-    group = num_q_heads // num_kv_heads
-    num_seq_slots, max_blocks = block_tables.shape
+    num_seq_slots = block_tables.shape[0]
     chunk = kv_pages_per_chunk
 
+    real = jnp.arange(num_seq_slots) < num_seqs
+    context_lens = jnp.where(real, context_lens, 0)
+    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+    qs = _scaled_queries(q, num_kv_heads, sm_scale, pad=query_tile)
+    out, _ = paged_context_attention(
+        qs, kv_cache, block_tables, context_lens, query_start_loc[:-1], q_lens, context_lens,
+        bits_dtype=q.dtype, sliding_window=sliding_window, soft_cap=soft_cap, query_tile=query_tile,
+        kv_pages_per_chunk=chunk, decode_query_len=decode_query_len, decode_seq_tile=decode_seq_tile)
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _scaled_queries(q, num_kv_heads, sm_scale, *, pad):
+    """[T, QH, D] -> scaled float32 [T + pad, KVH, group, D], GQA-split, padded so tile slices never clamp."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    qs = (q.astype(_F32) * sm_scale).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    return jnp.pad(qs, ((0, pad), (0, 0), (0, 0), (0, 0)))
+
+
+def paged_context_attention(qs, kv_cache, block_tables, context_lens, starts, q_lens, key_limits, *,
+                            bits_dtype, sliding_window, soft_cap, query_tile, kv_pages_per_chunk,
+                            decode_query_len, decode_seq_tile):
+    """Each sequence's queries over its paged keys at positions < `key_limits` (and causal).
+
+    `qs` [T + query_tile, KVH, group, D] scaled float32 queries; per sequence slot [S]:
+    `context_lens` (its queries are the last `q_lens` positions of that context), `starts`
+    (first row in `qs`), `key_limits`. Sequences with no query or no key are skipped.
+    Returns (out, lse): the normalised attention [T + query_tile, KVH, group, D] and its
+    log-sum-exp [T + query_tile, KVH, group] (-inf, with out 0, where a row read no key),
+    so a caller can merge it with attention over other keys.
+    """
+    num_seq_slots, max_blocks = block_tables.shape
+    chunk = kv_pages_per_chunk
     # Pad block tables to whole chunks so a chunk's slice never clamps (padding -> null block 0).
     padded_blocks = -(-max_blocks // chunk) * chunk  # static
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
-    real = jnp.arange(num_seq_slots) < num_seqs
-    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
-    seqs = _SeqInfo(tables, jnp.where(real, context_lens, 0), query_start_loc[:-1], q_lens)
-
-    # Scaled float32 queries, GQA-split, padded by one tile so tile slices never clamp.
-    qs = (q.astype(_F32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
-    qs = jnp.pad(qs, ((0, query_tile), (0, 0), (0, 0), (0, 0)))
-    out = jnp.zeros_like(qs)
+    seqs = _SeqInfo(tables, context_lens, starts, q_lens, key_limits)
+    out = (jnp.zeros_like(qs), jnp.full(qs.shape[:-1], -jnp.inf, _F32))
     # One stable sort lists the short sequences first, then the long ones.
-    is_short = (q_lens > 0) & (q_lens <= decode_query_len)
-    is_long = q_lens > decode_query_len
+    active = (q_lens > 0) & (key_limits > 0)
+    is_short = active & (q_lens <= decode_query_len)
+    is_long = active & (q_lens > decode_query_len)
     order = jnp.argsort(jnp.where(is_short, 0, jnp.where(is_long, 1, 2)), stable=True).astype(jnp.int32)
     num_short, num_long = is_short.sum(dtype=jnp.int32), is_long.sum(dtype=jnp.int32)
-    knobs = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk, bits_dtype=q.dtype)
+    knobs = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk, bits_dtype=bits_dtype)
     if decode_query_len > 0:
         # A group never has more rows than there are sequence slots: padding rows of a group
         # still gather pages (of the null block), so at batch 1 a group of 8 did 8x the work.
         out = _short_sequences(qs, out, kv_cache, seqs, order, num_short, rows=decode_query_len,
                                seq_tile=min(decode_seq_tile, num_seq_slots), **knobs)
-    out = _long_sequences(qs, out, kv_cache, seqs, order, num_short, num_long,
-                          query_tile=query_tile, **knobs)
-    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return _long_sequences(qs, out, kv_cache, seqs, order, num_short, num_long,
+                           query_tile=query_tile, **knobs)
 
 
 def _cdiv(a, b):
@@ -240,8 +266,10 @@ def _softmax_update(state, scores, mask, v, pv_eq, soft_cap):
     return m_new, alpha * l + p.sum(-1), acc
 
 
-def _finish(l, acc):
-    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+def _finish(m, l, acc):
+    """(normalised output, log-sum-exp) of an online-softmax state; rows with no key: (0, -inf)."""
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+    return acc / jnp.where(l == 0, 1.0, l)[..., None], lse
 
 
 def _page_rows(kv_cache, blocks):
@@ -294,6 +322,7 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
         valid = g * seq_tile + jnp.arange(seq_tile) < count
         ctx = jnp.where(valid, seqs.context_lens[seq], 0)
         q_len = jnp.where(valid, seqs.q_lens[seq], 0)
+        limit = jnp.where(valid, seqs.key_limits[seq], 0)
         j = jnp.arange(rows)
         row = seqs.starts[seq][:, None] + j                        # [G, rows]
         row = jnp.where(j < q_len[:, None], row, dropped)
@@ -302,7 +331,7 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
         qg = qs.at[row].get(mode="fill", fill_value=0)             # [G, rows, KVH, group, D]
         qg = qg.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, seq_tile, num_rows, head_dim)
         first_chunk = lax.div(_first_key(ctx - q_len, sliding_window), chunk_tokens)
-        num_chunks = jnp.where(valid, _cdiv(ctx, chunk_tokens) - first_chunk, 0)
+        num_chunks = jnp.where(valid, _cdiv(limit, chunk_tokens) - first_chunk, 0)
         tables = seqs.tables[seq]                                  # [G, padded_blocks]
         if sliding_window is not None:  # start each sequence's table at its first chunk
             page = first_chunk[:, None] * chunk + jnp.arange(tables.shape[1])
@@ -313,19 +342,27 @@ def _short_sequences(qs, out, kv_cache, seqs, order, count, *, rows, seq_tile, s
             c = first_chunk + i                                    # [G]
             rows = lax.dynamic_slice_in_dim(page_rows, i * chunk, chunk, axis=3)  # [2, KVH, G, C]
             key_pos = c[:, None] * chunk_tokens + jnp.arange(chunk_tokens)  # [G, CT]
-            k, v = _gather_pages(kv_cache, rows, key_pos < ctx[:, None], bits_dtype)  # [KVH, G, CT, D]
+            k, v = _gather_pages(kv_cache, rows, key_pos < limit[:, None], bits_dtype)  # [KVH, G, CT, D]
             scores = jnp.einsum("hgrd,hgkd->hgrk", qg, k)
-            mask = _key_mask(key_pos, q_pos, sliding_window)       # [G, R, CT]
+            mask = _key_mask(key_pos, q_pos, sliding_window) & (key_pos < limit[:, None])[:, None, :]  # [G, R, CT]
             return _softmax_update(state, scores, mask, v, "hgrk,hgkd->hgrd", soft_cap)
 
         state = (jnp.full((num_kv_heads, seq_tile, num_rows), -jnp.inf, _F32),
                  jnp.zeros((num_kv_heads, seq_tile, num_rows), _F32),
                  jnp.zeros_like(qg))
-        _, l, acc = lax.fori_loop(0, num_chunks.max(), chunk_body, state)
-        res = _finish(l, acc).reshape(num_kv_heads, seq_tile, rows, group, head_dim)
-        return out.at[row].set(res.transpose(1, 2, 0, 3, 4), mode="drop")
+        res, lse = _finish(*lax.fori_loop(0, num_chunks.max(), chunk_body, state))
+        res = res.reshape(num_kv_heads, seq_tile, rows, group, head_dim).transpose(1, 2, 0, 3, 4)
+        lse = lse.reshape(num_kv_heads, seq_tile, rows, group).transpose(1, 2, 0, 3)
+        return out[0].at[row].set(res, mode="drop"), out[1].at[row].set(lse, mode="drop")
 
     return lax.fori_loop(0, _cdiv(count, seq_tile), group_body, out)
+
+
+def _put_rows(out, x, row0, row_ok):
+    """out with rows row0.. replaced by x where row_ok (other rows belong to other sequences)."""
+    old = lax.dynamic_slice_in_dim(out, row0, x.shape[0])
+    mask = row_ok.reshape(-1, *(1,) * (x.ndim - 1))
+    return lax.dynamic_update_slice_in_dim(out, jnp.where(mask, x, old), row0, axis=0)
 
 
 def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile, sliding_window, soft_cap,
@@ -338,7 +375,7 @@ def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile,
 
     def seq_body(n, out):
         s = order[first + n]
-        start, q_len, ctx = seqs.starts[s], seqs.q_lens[s], seqs.context_lens[s]
+        start, q_len, ctx, limit = seqs.starts[s], seqs.q_lens[s], seqs.context_lens[s], seqs.key_limits[s]
         page_rows = _page_rows(kv_cache, seqs.tables[s])                        # [2, KVH, padded_blocks]
 
         def tile_body(t, out):
@@ -351,24 +388,24 @@ def _long_sequences(qs, out, kv_cache, seqs, order, first, count, *, query_tile,
             first_pos = ctx - q_len + t * query_tile
             first_chunk = lax.div(_first_key(first_pos, sliding_window), chunk_tokens)
             end = ctx - q_len + jnp.minimum((t + 1) * query_tile, q_len)       # causal limit of the tile
+            end = jnp.minimum(end, limit)
             num_chunks = _cdiv(end, chunk_tokens) - first_chunk
 
             def chunk_body(i, state):
                 c = first_chunk + i
                 rows = lax.dynamic_slice_in_dim(page_rows, c * chunk, chunk, axis=2)  # [2, KVH, C]
                 key_pos = c * chunk_tokens + jnp.arange(chunk_tokens)           # [CT]
-                k, v = _gather_pages(kv_cache, rows, key_pos < ctx, bits_dtype)             # [KVH, CT, D]
+                k, v = _gather_pages(kv_cache, rows, key_pos < limit, bits_dtype)           # [KVH, CT, D]
                 scores = jnp.einsum("hrd,hkd->hrk", qt, k)
-                mask = _key_mask(key_pos, q_pos, sliding_window)                # [R, CT]
+                mask = _key_mask(key_pos, q_pos, sliding_window) & (key_pos < limit)  # [R, CT]
                 return _softmax_update(state, scores, mask, v, "hrk,hkd->hrd", soft_cap)
 
             state = (jnp.full((num_kv_heads, num_rows), -jnp.inf, _F32),
                      jnp.zeros((num_kv_heads, num_rows), _F32), jnp.zeros_like(qt))
-            _, l, acc = lax.fori_loop(0, num_chunks, chunk_body, state)
-            res = _finish(l, acc).reshape(num_kv_heads, query_tile, group, head_dim).transpose(1, 0, 2, 3)
-            old = lax.dynamic_slice_in_dim(out, row0, query_tile)
-            res = jnp.where(row_ok[:, None, None, None], res, old)  # keep rows of other sequences
-            return lax.dynamic_update_slice_in_dim(out, res, row0, axis=0)
+            res, lse = _finish(*lax.fori_loop(0, num_chunks, chunk_body, state))
+            res = res.reshape(num_kv_heads, query_tile, group, head_dim).transpose(1, 0, 2, 3)
+            lse = lse.reshape(num_kv_heads, query_tile, group).transpose(1, 0, 2)
+            return tuple(_put_rows(o, x, row0, row_ok) for o, x in zip(out, (res, lse)))
 
         return lax.fori_loop(0, _cdiv(q_len, query_tile), tile_body, out)
 

@@ -102,6 +102,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 def paged_attention(
     q: jax.Array,                # [T, num_heads, head_dim]
+    k: jax.Array,                # [T, num_kv_heads, head_dim] this step's keys (the "cpu" backend reads them)
+    v: jax.Array,                # [T, num_kv_heads, head_dim] this step's values
     kv_cache: jax.Array,         # [2, num_kv_heads, num_blocks, block_size, head_dim], holds this step's K/V
     md: AttentionMetadata,
     *,
@@ -111,12 +113,12 @@ def paged_attention(
 ) -> jax.Array:
     """Ragged paged attention over the cache: [T, num_heads, head_dim].
 
-    The one place the models call an attention kernel: `backend` ("reference",
+    The one place the models call an attention kernel: `backend` ("reference", "cpu",
     "pallas_gpu", "pallas_tpu"; static, from `ModelConfig.attention_backend`) picks it.
     """
     return ragged_paged_attention(
         q, kv_cache, md.block_tables, md.context_lens, md.query_start_loc, md.num_seqs,
-        backend=backend, sm_scale=sm_scale, sliding_window=sliding_window,
+        backend=backend, sm_scale=sm_scale, sliding_window=sliding_window, k=k, v=v,
     )
 
 
@@ -164,7 +166,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
-        out = paged_attention(q, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
+        out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
                               sliding_window=self.sliding_window)
         return self.o_proj(out), kv_cache                   # [T, hidden]
 

@@ -14,7 +14,7 @@ from jaxserve.engine.builder import resolve_attention_backend
 
 
 @pytest.mark.parametrize("requested, platform, tp, expected", [
-    ("auto", None, 1, "reference"),             # this machine: CPU
+    ("auto", None, 1, "cpu"),                   # this machine: CPU
     ("reference", None, 1, "reference"),
     ("auto", "gpu", 1, "pallas_gpu"),
     ("auto", "tpu", 1, "pallas_tpu"),
@@ -22,6 +22,7 @@ from jaxserve.engine.builder import resolve_attention_backend
     ("auto", "gpu", 2, "pallas_gpu"),           # with tp the kernel runs per device over its heads
     ("pallas_tpu", "tpu", 4, "pallas_tpu"),
     ("reference", "tpu", 2, "reference"),
+    ("cpu", "gpu", 1, "cpu"),
 ])
 def test_resolution(requested, platform, tp, expected):
     config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp)
@@ -30,8 +31,8 @@ def test_resolution(requested, platform, tp, expected):
 
 @pytest.mark.parametrize("requested, platform, tp, message", [
     ("pallas_gpu", None, 1, "'pallas_gpu' needs an NVIDIA GPU, but JAX's devices here are 'cpu'; "
-                            "available: 'auto', 'reference'"),
-    ("pallas_tpu", "gpu", 1, "'pallas_tpu' needs a TPU.* available: 'auto', 'reference', 'pallas_gpu'"),
+                            "available: 'auto', 'reference', 'cpu'"),
+    ("pallas_tpu", "gpu", 1, "'pallas_tpu' needs a TPU.* available: 'auto', 'reference', 'cpu', 'pallas_gpu'"),
 ])
 def test_refusals_name_what_is_available(requested, platform, tp, message):
     config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp)
@@ -39,7 +40,7 @@ def test_refusals_name_what_is_available(requested, platform, tp, message):
         resolve_attention_backend(config, platform)
 
 
-def test_auto_engine_on_cpu_runs_the_reference(tiny_engine):
-    """The shared engine (attention_backend "auto") built its model with the reference kernel."""
+def test_auto_engine_on_cpu_runs_the_cpu_path(tiny_engine):
+    """The shared engine (attention_backend "auto") built its model with the CPU attention path."""
     assert tiny_engine.config.attention_backend == "auto"
-    assert tiny_engine.model_config.attention_backend == "reference"
+    assert tiny_engine.model_config.attention_backend == "cpu"

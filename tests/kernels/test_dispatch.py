@@ -15,11 +15,12 @@ from tests.kernels.pallas_cases import batch, lowered_text
 
 
 @pytest.mark.parametrize("requested, platform, expected", [
-    ("auto", "cpu", "reference"),
+    ("auto", "cpu", "cpu"),
     ("auto", "gpu", "pallas_gpu"),
     ("auto", "tpu", "pallas_tpu"),
     ("reference", "gpu", "reference"),
     ("reference", "cpu", "reference"),
+    ("cpu", "gpu", "cpu"),
     ("pallas_gpu", "gpu", "pallas_gpu"),
     ("pallas_tpu", "tpu", "pallas_tpu"),
 ])
@@ -29,9 +30,9 @@ def test_resolve_attention_backend(requested, platform, expected):
 
 @pytest.mark.parametrize("requested, platform, message", [
     ("pallas_gpu", "cpu", "'pallas_gpu' needs an NVIDIA GPU, but JAX's devices here are 'cpu'; "
-                          "available: 'auto', 'reference'$"),
+                          "available: 'auto', 'reference', 'cpu'$"),
     ("pallas_tpu", "gpu", "'pallas_tpu' needs a TPU, but JAX's devices here are 'gpu'; "
-                          "available: 'auto', 'reference', 'pallas_gpu'$"),
+                          "available: 'auto', 'reference', 'cpu', 'pallas_gpu'$"),
     ("flash", "gpu", "attention_backend='flash' must be 'auto' or one of"),
 ])
 def test_unavailable_backend_names_what_is_available(requested, platform, message):
@@ -48,6 +49,11 @@ def test_backend_name_reaches_its_kernel(backend, platform, custom_call, count):
     args = batch("mixed", group=4, head_dim=128, dtype=jnp.bfloat16, page_size=16)
     text = lowered_text(ragged_paged_attention, args, platform, backend=backend, sm_scale=0.1)
     assert sum(custom_call in line for line in text.splitlines()) == count
+
+
+def test_cpu_backend_needs_this_steps_keys():
+    with pytest.raises(ValueError, match="backend='cpu' reads this step's keys in place: pass k= and v="):
+        ragged_paged_attention(*batch("padding"), backend="cpu", sm_scale=0.1)
 
 
 def test_unknown_backend_raises():

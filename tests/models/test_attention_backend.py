@@ -3,7 +3,7 @@
 Checked by lowering a whole (abstract, weightless) two-layer model step for CUDA / TPU
 on this CPU-only machine: every layer must call the kernel's jitted entry (lowered once,
 holding the two Pallas calls: decode items and prefill tiles), and the reference
-backend no Pallas call at all. head_dim is 64 here because the Pallas
+and cpu backends no Pallas call at all. head_dim is 64 here because the Pallas
 tuning tables start there (the tiny test models use 16).
 """
 
@@ -31,6 +31,7 @@ HF_CONFIGS["mistral"] = dict(HF_CONFIGS["llama"], architectures=["MistralForCaus
 
 @pytest.mark.parametrize("model, backend, platform, entry, custom_call", [
     ("llama", "reference", "cuda", "@_ragged_paged_attention(", "custom_call @__gpu$xla.gpu.triton"),
+    ("mistral", "cpu", "cuda", "@_ragged_paged_attention_cpu(", "custom_call @__gpu$xla.gpu.triton"),
     ("llama", "pallas_gpu", "cuda", "@_ragged_paged_attention_gpu(", "custom_call @__gpu$xla.gpu.triton"),
     ("mistral", "pallas_gpu", "cuda", "@_ragged_paged_attention_gpu(", "custom_call @__gpu$xla.gpu.triton"),
     ("llama", "pallas_tpu", "tpu", "@_ragged_paged_attention_tpu(", "custom_call @tpu_custom_call"),
@@ -53,5 +54,5 @@ def test_model_step_lowers_to_the_configured_kernel(model, backend, platform, en
                          md).lower(lowering_platforms=(platform,))
     lines = lowered.as_text().splitlines()
     assert sum(f"call {entry}" in line for line in lines) == config.num_hidden_layers
-    assert sum(custom_call in line for line in lines) == (0 if backend == "reference" else 2)
+    assert sum(custom_call in line for line in lines) == (0 if backend in ("reference", "cpu") else 2)
     assert all(layer.self_attn.attention_backend == backend for layer in abstract.layers)

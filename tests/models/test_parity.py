@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -73,8 +74,9 @@ class Loaded:
         return [jnp.zeros(shape, jnp.float32) for _ in range(self.config.num_hidden_layers)]
 
 
-def load_model(path) -> nnx.Module:
+def load_model(path, attention_backend: str = "reference") -> nnx.Module:
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    config = dataclasses.replace(config, attention_backend=attention_backend)
     model = get_model_class(config)(config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     load_weights(model, safetensors.numpy.load_file(path / "model.safetensors"))
     return model
@@ -102,19 +104,21 @@ def jit_forward(model: nnx.Module):
 _LOADED: dict[str, Loaded] = {}
 
 
-@pytest.fixture(params=TINY_MODEL_NAMES)
+# Each family through the oracle attention and through the CPU production path.
+@pytest.fixture(params=[f"{name}-{backend}" for name in TINY_MODEL_NAMES for backend in ("reference", "cpu")])
 def loaded(request, tiny_models) -> Loaded:
-    name = request.param
-    if name not in _LOADED:
+    key = request.param
+    if key not in _LOADED:
         import transformers
 
+        name, backend = key.rsplit("-", 1)
         path = tiny_models[name]
-        model = load_model(path)
+        model = load_model(path, backend)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype="float32", attn_implementation="eager"
         ).eval()
-        _LOADED[name] = Loaded(model.config, model, jit_forward(model), hf_model)
-    return _LOADED[name]
+        _LOADED[key] = Loaded(model.config, model, jit_forward(model), hf_model)
+    return _LOADED[key]
 
 
 # --------------------------------------------------------------------- paged batches
@@ -228,7 +232,7 @@ def test_prefix_cache_hit_reuses_blocks(loaded):
     assert_logits_close(tail, loaded.hf_logits(b.tokens)[12:])
 
 
-@pytest.mark.parametrize("loaded", ["mistral"], indirect=True)
+@pytest.mark.parametrize("loaded", ["mistral-reference", "mistral-cpu"], indirect=True)
 def test_sliding_window_matters(loaded):
     """Mistral's window (8) changes the logits past position 8, so parity really checks it."""
     assert loaded.config.layer_sliding_windows == (8, 8)

@@ -1,0 +1,159 @@
+"""Ragged paged attention for CPUs: this step's own keys read in place, earlier context through pages.
+
+What flows through: the reference's inputs plus this step's keys and values `k`, `v`
+[T, num_kv_heads, head_dim] (the rows `write_kv_cache` has just stored). Runs inside
+the caller's jitted step. A query attends two disjoint sets of keys:
+- keys computed in this step: earlier rows of its own sequence in the flat batch. They
+  are read straight from `k`/`v` in dense tiles of `q_block` rows (a segment mask keeps
+  sequences apart), so a fresh prefill gathers no page at all; each query tile visits only
+  the key tiles from its first sequence's start (or its sliding window) to itself.
+- keys cached before this step (positions < context_len - q_len): the reference's paged
+  path (`paged_context_attention`) restricted to them; sequences with no earlier
+  context (fresh prefills) are skipped there.
+The two partial results are merged by log-sum-exp. The result equals the reference's up
+to float rounding (tests/kernels/test_ragged_paged_attention_cpu.py checks it).
+
+Why: the reference gathers (copies) every key page before use, ~5 GB/s on the CPU, and
+runs a prefill as many small query tiles; most prefill keys are in this step anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas.ragged_paged_attention import (_F32, _cdiv, _finish, _scaled_queries, _softmax_update,
+                                                   check_ragged_paged_attention_inputs, paged_context_attention)
+
+
+def ragged_paged_attention_cpu(
+    q,                # [T, num_q_heads, head_dim]
+    k,                # [T, num_kv_heads, head_dim]: this step's keys (already in kv_cache too)
+    v,                # [T, num_kv_heads, head_dim]: this step's values
+    kv_cache,         # [2, num_kv_heads, num_blocks, block_size, head_dim]
+    block_tables,     # [S, max_blocks_per_seq] int32
+    context_lens,     # [S] int32: cached tokens after this step
+    query_start_loc,  # [S + 1] int32
+    num_seqs,         # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    q_block: int = 128,
+    query_tile: int = 32,
+    kv_pages_per_chunk: int = 8,
+    decode_query_len: int = 1,
+    decode_seq_tile: int = 8,
+) -> jax.Array:
+    """Same contract as `ragged_paged_attention_reference`, plus this step's `k`, `v`.
+
+    Static knobs: `q_block` rows (and keys) per in-step tile; the others are the paged
+    part's, as in the reference.
+    """
+    return _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
+                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                       q_block=q_block, query_tile=query_tile,
+                                       kv_pages_per_chunk=kv_pages_per_chunk,
+                                       decode_query_len=decode_query_len, decode_seq_tile=decode_seq_tile)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "q_block", "query_tile", "kv_pages_per_chunk", "decode_query_len",
+    "decode_seq_tile"))
+def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
+                                sm_scale, sliding_window, soft_cap, q_block, query_tile, kv_pages_per_chunk,
+                                decode_query_len, decode_seq_tile):
+    check_ragged_paged_attention_inputs(
+        q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != (num_tokens, num_kv_heads, head_dim):
+            raise ValueError(f"{name} shape {x.shape} != [{num_tokens}, {num_kv_heads}, {head_dim}] (from q, kv_cache)")
+    if not isinstance(q_block, int) or q_block < 1:
+        raise ValueError(f"q_block must be an int >= 1, got {q_block!r}")
+    block = min(q_block, num_tokens)
+    padded = -(-num_tokens // block) * block  # static: T in whole blocks
+    qs = _scaled_queries(q, num_kv_heads, sm_scale, pad=max(query_tile, padded - num_tokens))
+
+    num_seq_slots = block_tables.shape[0]
+    real = jnp.arange(num_seq_slots) < num_seqs
+    context_lens = jnp.where(real, context_lens, 0)
+    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+
+    own = _in_step_attention(qs[:padded], k, v, query_start_loc, num_seqs, block=block,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+    earlier = paged_context_attention(
+        qs, kv_cache, block_tables, context_lens, query_start_loc[:-1], q_lens, context_lens - q_lens,
+        bits_dtype=q.dtype, sliding_window=sliding_window, soft_cap=soft_cap, query_tile=query_tile,
+        kv_pages_per_chunk=kv_pages_per_chunk, decode_query_len=decode_query_len,
+        decode_seq_tile=decode_seq_tile)
+    out = _merge(own, tuple(x[:padded] for x in earlier))
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _in_step_attention(qs, k, v, query_start_loc, num_seqs, *, block, sliding_window, soft_cap):
+    """Each query over the keys of its own sequence computed in this step (causal), from `k`/`v` directly.
+
+    `qs` [P, KVH, group, D] scaled queries (P = T padded to whole blocks). Returns (out, lse)
+    like `paged_context_attention`, over P rows.
+    """
+    padded, num_kv_heads, group, head_dim = qs.shape
+    num_tokens = k.shape[0]
+    pad = ((0, padded - num_tokens), (0, 0), (0, 0))
+    kf = jnp.pad(k.astype(_F32), pad).transpose(1, 0, 2)                   # [KVH, P, D]
+    vf = jnp.pad(v.astype(_F32), pad).transpose(1, 0, 2)                   # [KVH, P, D]
+    token = jnp.arange(padded, dtype=jnp.int32)
+    num_real = query_start_loc[num_seqs]
+    # seg[t]: the sequence row t belongs to; -1 for padding rows, which no query can see.
+    seg = jnp.searchsorted(query_start_loc[1:], token, side="right").astype(jnp.int32)
+    seg = jnp.where(token < num_real, seg, -1)
+    seq_first = query_start_loc[jnp.clip(seg, 0, query_start_loc.shape[0] - 1)]   # [P] first row of its sequence
+    num_rows = block * group
+
+    def tile_body(i, out):
+        row0 = i * block
+        qt = lax.dynamic_slice_in_dim(qs, row0, block)                    # [B, KVH, group, D]
+        qt = qt.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_rows, head_dim)
+        q_tok = jnp.repeat(row0 + jnp.arange(block), group)               # [R] in (row, group) order
+        q_seg = jnp.repeat(lax.dynamic_slice_in_dim(seg, row0, block), group)
+        first = seq_first[row0]
+        if sliding_window is not None:
+            first = jnp.maximum(first, row0 - sliding_window + 1)
+
+        def key_body(j, state):
+            k0 = j * block
+            kt = lax.dynamic_slice_in_dim(kf, k0, block, axis=1)          # [KVH, B, D]
+            vt = lax.dynamic_slice_in_dim(vf, k0, block, axis=1)
+            k_tok = k0 + jnp.arange(block)
+            k_seg = lax.dynamic_slice_in_dim(seg, k0, block)
+            mask = (q_seg[:, None] == k_seg[None, :]) & (k_seg >= 0) & (k_tok[None, :] <= q_tok[:, None])  # [R, B]
+            if sliding_window is not None:
+                mask &= k_tok[None, :] > q_tok[:, None] - sliding_window
+            scores = jnp.einsum("hrd,hkd->hrk", qt, kt)
+            return _softmax_update(state, scores, mask, vt, "hrk,hkd->hrd", soft_cap)
+
+        state = (jnp.full((num_kv_heads, num_rows), -jnp.inf, _F32),
+                 jnp.zeros((num_kv_heads, num_rows), _F32), jnp.zeros_like(qt))
+        res, lse = _finish(*lax.fori_loop(lax.div(first, block), i + 1, key_body, state))
+        res = res.reshape(num_kv_heads, block, group, head_dim).transpose(1, 0, 2, 3)
+        lse = lse.reshape(num_kv_heads, block, group).transpose(1, 0, 2)
+        return (lax.dynamic_update_slice_in_dim(out[0], res, row0, axis=0),
+                lax.dynamic_update_slice_in_dim(out[1], lse, row0, axis=0))
+
+    out = (jnp.zeros_like(qs), jnp.full(qs.shape[:-1], -jnp.inf, _F32))
+    return lax.fori_loop(0, _cdiv(num_real, block), tile_body, out)
+
+
+def _merge(a, b):
+    """Merge two (out, lse) attention results over disjoint key sets; rows with no key at all -> 0."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)                 # exp(-inf) = 0
+    total = w_a + w_b
+    return (out_a * w_a[..., None] + out_b * w_b[..., None]) / jnp.where(total == 0, 1.0, total)[..., None]

@@ -1,0 +1,109 @@
+"""Tests of the CPU attention path (in-step keys read in place, earlier context through pages).
+
+Checked against the same float64 oracle as the reference, on the same named scenarios,
+with knob sets that make every loop run many times: in-step tiles smaller than a
+sequence (a query tile spans sequences, a sequence spans key tiles) and a tile size that
+does not divide the token count (padded tiles).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
+from kernels_pallas.ragged_paged_attention_cpu import ragged_paged_attention_cpu
+from tests.kernels.test_ragged_paged_attention import (ATOL, EXTRA, KNOBS, RTOL, SCENARIOS, SM_SCALE, make_batch,
+                                                        naive_attention)
+
+CPU_KNOBS = {
+    "default": {},
+    "small_tiles": dict(q_block=4, **KNOBS["small_tiles"]),
+    "odd_block": dict(q_block=24, query_tile=8, kv_pages_per_chunk=3),   # 64 rows = 2 tiles + 16 of padding
+}
+
+
+def step_kv(args, seed=1):
+    """This step's k/v [T, KVH, D]: each real row's own cache entry; padding rows random garbage."""
+    q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs = args
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal((2, q.shape[0], kv_cache.shape[1], kv_cache.shape[4]), np.float32) * 50
+    block_size = kv_cache.shape[3]
+    for s in range(int(num_seqs)):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        for row in range(start, end):
+            pos = int(context_lens[s]) - (end - row)
+            kv[:, row] = kv_cache[:, :, block_tables[s][pos // block_size], pos % block_size]
+    return kv[0], kv[1]
+
+
+def run_cpu(args, **kw):
+    k, v = step_kv(args)
+    q, kv_cache, *meta = args
+    return ragged_paged_attention_cpu(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_cache),
+                                      *map(jnp.asarray, meta), sm_scale=SM_SCALE, **kw)
+
+
+CASES = [pytest.param(dict(seqs=seqs), knobs, id=f"{name}-{kname}")
+         for name, seqs in SCENARIOS.items() for kname, knobs in CPU_KNOBS.items()]
+CASES += [pytest.param(case, CPU_KNOBS["small_tiles"], id=f"{name}-small_tiles") for name, case in EXTRA.items()]
+CASES += [pytest.param(EXTRA[name], CPU_KNOBS["default"], id=f"{name}-default") for name in ("sliding_window", "soft_cap")]
+
+
+@pytest.mark.parametrize("case, knobs", CASES)
+def test_matches_naive_oracle(case, knobs):
+    case = dict(case)
+    masking = dict(sliding_window=case.pop("sliding_window", None), soft_cap=case.pop("soft_cap", None))
+    q_scale = case.pop("q_scale", 1.0)
+    args = make_batch(case.pop("seqs"), **case)
+    args = (args[0] * np.float32(q_scale), *args[1:])
+    got = run_cpu(args, **masking, **knobs)
+    want = naive_attention(*args, sm_scale=SM_SCALE, **masking)
+    assert got.dtype == jnp.float32 and got.shape == args[0].shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
+    owned = int(args[4][int(args[5])])
+    assert owned < args[0].shape[0], "every scenario has padding rows"
+    assert not np.asarray(got[owned:]).any(), "rows of padding tokens must be 0"
+
+
+def test_each_part_matters():
+    """A prefill continuing earlier context needs both parts: dropping either changes the answer."""
+    args = make_batch([(48, 16), (9, 1)])
+    want = naive_attention(*args, sm_scale=SM_SCALE)
+    np.testing.assert_allclose(np.asarray(run_cpu(args)), want, rtol=RTOL, atol=ATOL)
+    k, v = step_kv(args)
+    wrong_step = ragged_paged_attention_cpu(*map(jnp.asarray, (args[0], k * 0, v * 0, *args[1:])), sm_scale=SM_SCALE)
+    assert np.abs(np.asarray(wrong_step)[:17] - want[:17]).max() > 0.1
+    no_context = list(args)
+    no_context[1] = np.zeros_like(args[1])
+    assert np.abs(np.asarray(run_cpu(tuple(no_context)))[:17] - want[:17]).max() > 0.1
+
+
+def test_16bit_pool_as_uint16_bits_matches_reference():
+    """A bf16 model on the CPU path stores its pool as uint16 bits; same answer as a bf16 pool in the reference."""
+    args = make_batch(SCENARIOS["mixed"])
+    q = jnp.asarray(args[0], jnp.bfloat16)
+    cache = jnp.asarray(args[1], jnp.bfloat16)
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in step_kv(args))
+    meta = tuple(map(jnp.asarray, args[2:]))
+    bits = jnp.asarray(np.asarray(cache).view(np.uint16))
+    got = ragged_paged_attention_cpu(q, k, v, bits, *meta, sm_scale=SM_SCALE)
+    want = ragged_paged_attention_reference(q, cache, *meta, sm_scale=SM_SCALE)
+    assert got.dtype == jnp.bfloat16
+    rounded = naive_attention(np.asarray(q, np.float32), np.asarray(cache, np.float32), *args[2:], sm_scale=SM_SCALE)
+    np.testing.assert_allclose(np.asarray(got, np.float32), rounded, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="uint16 kv_cache holds 16-bit float bits, so q"):
+        ragged_paged_attention_cpu(q.astype(jnp.float32), k, v, bits, *meta, sm_scale=SM_SCALE)
+
+
+@pytest.mark.parametrize("name, bad", [("k", lambda k: k[:-1]), ("v", lambda v: v[:, :1])])
+def test_step_kv_shapes_are_checked(name, bad):
+    args = make_batch([(5, 1)])
+    k, v = map(jnp.asarray, step_kv(args))
+    kw = {"k": k, "v": v}
+    kw[name] = bad(kw[name])
+    with pytest.raises(ValueError, match=f"{name} shape"):
+        ragged_paged_attention_cpu(jnp.asarray(args[0]), kw["k"], kw["v"], *map(jnp.asarray, args[1:]),
+                                   sm_scale=SM_SCALE)
