@@ -27,7 +27,7 @@ from jaxserve.runner import ModelRunner
 def make_runner(model, cfg, buckets, max_seqs, num_blocks, max_model_len, attention=True):
     original = layers.paged_attention
     if not attention:
-        layers.paged_attention = lambda q, kv_cache, md, **kw: q   # K/V are still written
+        layers.paged_attention = lambda q, k, v, kv_cache, md, **kw: q   # K/V are still written
     try:
         runner = ModelRunner(model, cfg, block_size=16, num_blocks=num_blocks, max_num_batched_tokens=buckets[-1],
                              max_num_seqs=max_seqs, max_model_len=max_model_len, buckets=buckets)

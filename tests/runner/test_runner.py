@@ -112,3 +112,26 @@ def test_logprobs_match_transformers(llama):
         assert lp.token_logprob == pytest.approx(row[tok], abs=1e-4)
         assert lp.top_token_ids == list(np.argsort(-row)[:5])
         np.testing.assert_allclose(lp.top_logprobs, np.sort(row)[::-1][:5], atol=1e-4)
+
+
+def test_bfloat16_engine_follows_transformers_bfloat16(tiny_models):
+    """bf16 end to end (uint16-bits KV pool on the CPU path): every greedy token is one transformers'
+    bf16 forward also ranks best, up to bf16 rounding, and nothing compiles after warm-up.
+
+    Tokens are not compared one for one: near-ties in a random tiny model may round either way in
+    bf16. Instead, transformers (bf16, teacher-forced on our tokens) must give each of our tokens a
+    logit within 0.05 of its best: ~3 bf16 ulps of these O(1)-O(5) logits; a wrong token in a random
+    model is off by ~1.
+    """
+    path = tiny_models["llama"]
+    parts = build(path, dtype="bfloat16")
+    assert all(c.dtype == np.uint16 for c in parts.runner.kv_caches)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, size=40)]
+    ours = run(parts, [Request("a", prompt, greedy(16))])["a"]
+    assert parts.runner.compiles_after_warmup == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float().numpy()
+    gaps = logits.max(-1) - logits[np.arange(len(ours)), ours]
+    assert gaps.max() <= 0.05, gaps
+    assert len(set(ours)) > 1
