@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas import native_cpu
 from kernels_pallas.ragged_paged_attention import (_F32, _cdiv, _finish, _scaled_queries, _softmax_update,
                                                    check_ragged_paged_attention_inputs, paged_context_attention)
 
@@ -47,25 +48,33 @@ def ragged_paged_attention_cpu(
     kv_pages_per_chunk: int = 8,
     decode_query_len: int = 1,
     decode_seq_tile: int = 8,
+    native: bool | None = None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_attention_reference`, plus this step's `k`, `v`.
 
-    Static knobs: `q_block` rows (and keys) per in-step tile; the others are the paged
+    Static knobs: `q_block` rows (and keys) per in-step tile; `native`: sequences with at
+    most `decode_query_len` queries read their earlier context through the native kernel
+    (`native_cpu`; None: when it builds here, False: pure jnp); the others are the paged
     part's, as in the reference.
     """
+    if native is None:
+        native = native_cpu.available()
+    elif native and not native_cpu.available():
+        raise ValueError("native=True, but the native CPU attention kernel is unavailable (see the log)")
     return _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
                                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                        q_block=q_block, query_tile=query_tile,
                                        kv_pages_per_chunk=kv_pages_per_chunk,
-                                       decode_query_len=decode_query_len, decode_seq_tile=decode_seq_tile)
+                                       decode_query_len=decode_query_len, decode_seq_tile=decode_seq_tile,
+                                       native=bool(native))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "q_block", "query_tile", "kv_pages_per_chunk", "decode_query_len",
-    "decode_seq_tile"))
+    "decode_seq_tile", "native"))
 def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                                 sm_scale, sliding_window, soft_cap, q_block, query_tile, kv_pages_per_chunk,
-                                decode_query_len, decode_seq_tile):
+                                decode_query_len, decode_seq_tile, native):
     check_ragged_paged_attention_inputs(
         q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -85,22 +94,43 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
     context_lens = jnp.where(real, context_lens, 0)
     q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
 
-    own = _in_step_attention(qs[:padded], k, v, query_start_loc, num_seqs, block=block,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
-    earlier = paged_context_attention(
-        qs, kv_cache, block_tables, context_lens, query_start_loc[:-1], q_lens, context_lens - q_lens,
-        bits_dtype=q.dtype, sliding_window=sliding_window, soft_cap=soft_cap, query_tile=query_tile,
-        kv_pages_per_chunk=kv_pages_per_chunk, decode_query_len=decode_query_len,
-        decode_seq_tile=decode_seq_tile)
-    out = _merge(own, tuple(x[:padded] for x in earlier))
+    paged = dict(bits_dtype=q.dtype, sliding_window=sliding_window, soft_cap=soft_cap, query_tile=query_tile,
+                 kv_pages_per_chunk=kv_pages_per_chunk, decode_seq_tile=decode_seq_tile)
+    earlier = context_lens - q_lens
+    in_step = q_lens > 0
+    parts = []
+    if native and decode_query_len > 0:
+        # Short runs (decodes) read their whole context natively (the pool holds this step's
+        # keys too); the in-step tiles and the jnp paged tiles take only the longer runs.
+        short = q_lens <= decode_query_len
+        out, lse = native_cpu.paged_context_native(
+            qs[:num_tokens].reshape(num_tokens, num_q_heads, head_dim), kv_cache, block_tables, context_lens,
+            query_start_loc, num_seqs, bits_dtype=q.dtype, max_q_len=decode_query_len,
+            sliding_window=sliding_window, soft_cap=soft_cap)
+        if num_tokens == 1:   # static: a one-token step is one short run, nothing else to merge
+            return out.astype(q.dtype)
+        rows = ((0, padded - num_tokens), (0, 0), (0, 0))
+        parts.append((jnp.pad(out.reshape(num_tokens, *qs.shape[1:]), rows + ((0, 0),)),
+                      jnp.pad(lse.reshape(num_tokens, *qs.shape[1:-1]), rows, constant_values=-jnp.inf)))
+        earlier = jnp.where(short, 0, earlier)
+        in_step = in_step & ~short
+        paged["decode_query_len"] = 0
+    else:
+        paged["decode_query_len"] = decode_query_len
+    parts.append(_in_step_attention(qs[:padded], k, v, query_start_loc, num_seqs, in_step, block=block,
+                                    sliding_window=sliding_window, soft_cap=soft_cap))
+    rest = paged_context_attention(qs, kv_cache, block_tables, context_lens, query_start_loc[:-1], q_lens, earlier,
+                                   **paged)
+    parts.append(tuple(x[:padded] for x in rest))
+    out, _ = functools.reduce(_merge, parts)
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _in_step_attention(qs, k, v, query_start_loc, num_seqs, *, block, sliding_window, soft_cap):
+def _in_step_attention(qs, k, v, query_start_loc, num_seqs, active, *, block, sliding_window, soft_cap):
     """Each query over the keys of its own sequence computed in this step (causal), from `k`/`v` directly.
 
-    `qs` [P, KVH, group, D] scaled queries (P = T padded to whole blocks). Returns (out, lse)
-    like `paged_context_attention`, over P rows.
+    `qs` [P, KVH, group, D] scaled queries (P = T padded to whole blocks); only sequences
+    with `active` [S] take part. Returns (out, lse) like `paged_context_attention`, over P rows.
     """
     padded, num_kv_heads, group, head_dim = qs.shape
     num_tokens = k.shape[0]
@@ -109,10 +139,10 @@ def _in_step_attention(qs, k, v, query_start_loc, num_seqs, *, block, sliding_wi
     vf = jnp.pad(v.astype(_F32), pad).transpose(1, 0, 2)                   # [KVH, P, D]
     token = jnp.arange(padded, dtype=jnp.int32)
     num_real = query_start_loc[num_seqs]
-    # seg[t]: the sequence row t belongs to; -1 for padding rows, which no query can see.
-    seg = jnp.searchsorted(query_start_loc[1:], token, side="right").astype(jnp.int32)
-    seg = jnp.where(token < num_real, seg, -1)
-    seq_first = query_start_loc[jnp.clip(seg, 0, query_start_loc.shape[0] - 1)]   # [P] first row of its sequence
+    # seg[t]: the sequence row t belongs to; -1 for padding rows and inactive sequences, which no query sees.
+    owner = jnp.clip(jnp.searchsorted(query_start_loc[1:], token, side="right"), 0, active.shape[0] - 1)
+    seg = jnp.where((token < num_real) & active[owner], owner, -1).astype(jnp.int32)
+    seq_first = query_start_loc[owner]                                    # [P] first row of its sequence
     num_rows = block * group
 
     def tile_body(i, out):
@@ -150,10 +180,12 @@ def _in_step_attention(qs, k, v, query_start_loc, num_seqs, *, block, sliding_wi
 
 
 def _merge(a, b):
-    """Merge two (out, lse) attention results over disjoint key sets; rows with no key at all -> 0."""
+    """Merge two (out, lse) attention results over disjoint key sets -> (out, lse); rows with no key: (0, -inf)."""
     (out_a, lse_a), (out_b, lse_b) = a, b
     top = jnp.maximum(lse_a, lse_b)
     top = jnp.where(top == -jnp.inf, 0.0, top)
     w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)                 # exp(-inf) = 0
     total = w_a + w_b
-    return (out_a * w_a[..., None] + out_b * w_b[..., None]) / jnp.where(total == 0, 1.0, total)[..., None]
+    safe = jnp.where(total == 0, 1.0, total)
+    out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / safe[..., None]
+    return out, jnp.where(total == 0, -jnp.inf, top + jnp.log(safe))

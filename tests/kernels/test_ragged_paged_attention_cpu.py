@@ -107,3 +107,68 @@ def test_step_kv_shapes_are_checked(name, bad):
     with pytest.raises(ValueError, match=f"{name} shape"):
         ragged_paged_attention_cpu(jnp.asarray(args[0]), kw["k"], kw["v"], *map(jnp.asarray, args[1:]),
                                    sm_scale=SM_SCALE)
+
+
+NATIVE = pytest.param(True, id="native")
+JNP = pytest.param(False, id="jnp")
+
+
+@pytest.mark.parametrize("native", [NATIVE, JNP])
+@pytest.mark.parametrize("name", ["decode_only", "mixed", "prefix_hit", "page_boundary", "padding"])
+def test_native_and_jnp_decode_paths_match_the_oracle(name, native):
+    args = make_batch(SCENARIOS[name])
+    got = run_cpu(args, native=native, decode_query_len=3)
+    np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("masking", [dict(sliding_window=5), dict(soft_cap=2.5)], ids=["sliding_window", "soft_cap"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_native_masks_and_groups(masking, group):
+    seqs = [(17, 1), (12, 12), (48, 16), (30, 2), (64, 1), (5, 3), (40, 1)]
+    args = make_batch(seqs, group=group)
+    args = (args[0] * np.float32(4.0 if "soft_cap" in masking else 1.0), *args[1:])
+    got = run_cpu(args, native=True, decode_query_len=2, **masking)
+    np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE, **masking),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_native_reads_16bit_pools_as_bits(dtype):
+    """uint16 pools (bf16 or f16 bits) decode natively to the same answer as the jnp path on the same bits."""
+    args = make_batch(SCENARIOS["decode_only"] + [], num_kv_heads=2)
+    q = jnp.asarray(args[0], dtype)
+    cache = np.asarray(jnp.asarray(args[1], dtype))
+    k, v = (jnp.asarray(x, dtype) for x in step_kv(args))
+    bits = jnp.asarray(cache.view(np.uint16))
+    meta = tuple(map(jnp.asarray, args[2:]))
+    native = ragged_paged_attention_cpu(q, k, v, bits, *meta, sm_scale=SM_SCALE, native=True)
+    plain = ragged_paged_attention_cpu(q, k, v, bits, *meta, sm_scale=SM_SCALE, native=False)
+    np.testing.assert_allclose(np.asarray(native, np.float32), np.asarray(plain, np.float32), rtol=1e-2, atol=1e-2)
+    want = naive_attention(np.asarray(q, np.float32), cache.astype(np.float32), *args[2:], sm_scale=SM_SCALE)
+    np.testing.assert_allclose(np.asarray(native, np.float32), want, rtol=1e-2, atol=1e-2)
+
+
+def test_native_kernel_builds_here():
+    """The CI machine has a C++ compiler: the native kernel must build, or the fast path silently vanishes."""
+    from kernels_pallas import native_cpu
+    assert native_cpu.available()
+    assert native_cpu.build().exists()
+
+
+@pytest.mark.parametrize("native", [NATIVE, JNP])
+@pytest.mark.parametrize("ctx", [1, 4, 17])
+def test_one_token_step(ctx, native):
+    """A one-token step (batch-1 decode) takes the native kernel's answer alone."""
+    args = make_batch([(ctx, 1)], num_tokens=1, num_seq_slots=1)
+    got = run_cpu(args, native=native)
+    np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (16, 128), (32, 64), (8, 32)])
+def test_native_compiled_shapes(block_size, head_dim):
+    """The kernel's shape-specialised copies (page 16/32 x head_dim 64/128) and the generic one."""
+    seqs = [(70, 1), (33, 1), (16, 1), (17, 1), (90, 20), (1, 1), (48, 2)]
+    args = make_batch(seqs, block_size=block_size, head_dim=head_dim, num_blocks=64,
+                      max_blocks=-(-90 // block_size), num_kv_heads=3, group=3)
+    got = run_cpu(args, native=True, decode_query_len=2)
+    np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)

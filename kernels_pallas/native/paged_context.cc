@@ -1,0 +1,255 @@
+// Paged attention of short query runs (decodes) over their whole cached context, for CPUs.
+//
+// An XLA FFI custom call (jax.ffi), built on first use by kernels_pallas/native_cpu.py and
+// called from inside the engine's jitted step. It reads K/V pages where they lie in the
+// pool: no gathered copy, one pass over each sequence's pages, with an online softmax
+// per page. Work is split over (sequence, KV head) pairs with OpenMP.
+//
+// Inputs: q [T, QH, D] float32, already scaled by sm_scale; kv [2, KVH, NB, BS, D] float32,
+// or uint16 holding bfloat16 (bits_dtype 1) or float16 (bits_dtype 2) bits; block_tables
+// [S, MB] int32; context_lens [S] int32 (tokens cached after this step); query_start_loc
+// [S + 1] int32; num_seqs [] int32. For sequence s with q_len = query_start_loc[s+1] -
+// query_start_loc[s] in 1..max_q_len, each query row (position context_len - q_len + j)
+// attends the keys at positions <= its own (the pool already holds this step's keys),
+// limited to the last `sliding_window` positions when it is > 0, logits soft-capped when
+// soft_cap > 0. Outputs: out [T, QH, D] float32 normalised, lse [T, QH] float32
+// log-sum-exp; rows of other sequences are 0 and -inf. It computes what the reference
+// computes for those rows; the tests check it against a float64 oracle.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A finite stand-in for -inf: masked scores and empty rows (exp of it underflows to 0).
+constexpr float kMasked = -1e30f;
+
+// exp(x) for x <= 0 (softmax weights), ~1 ulp, written so the compiler vectorises it:
+// 2^n * e^f with n = round(x / ln 2) and a degree-6 polynomial for e^f, |f| <= ln2 / 2.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float f = x - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// One page of K or V as float32 rows: a pointer into the pool for float32, else converted into `buf`.
+inline const float* page_rows(const void* kv, int64_t bits_dtype, int64_t page, int64_t page_elems, float* buf) {
+  if (bits_dtype == 0) return static_cast<const float*>(kv) + page * page_elems;
+  const uint16_t* src = static_cast<const uint16_t*>(kv) + page * page_elems;
+  if (bits_dtype == 1) {
+    for (int64_t i = 0; i < page_elems; ++i) buf[i] = bf16_to_f32(src[i]);
+  } else {
+    for (int64_t i = 0; i < page_elems; ++i) buf[i] = f16_to_f32(src[i]);
+  }
+  return buf;
+}
+
+struct Problem {
+  const float* q;           // [T, QH, D] scaled queries
+  const void* kv;           // [2, KVH, NB, BS, D]
+  const int32_t* tables;    // [S, MB]
+  const int32_t* ctx_lens;  // [S]
+  const int32_t* qsl;       // [S + 1]
+  float* out;               // [T, QH, D]
+  float* lse;               // [T, QH]
+  int64_t T, QH, D, KVH, NB, BS, MB, G, bits_dtype, sliding_window;
+  float soft_cap;
+};
+
+struct Scratch {  // per thread
+  std::vector<float> kbuf, vbuf, m, l, acc, scores, kt;
+  Scratch(const Problem& pr, int64_t max_rows)
+      : kbuf(pr.bits_dtype ? pr.BS * pr.D : 0), vbuf(pr.bits_dtype ? pr.BS * pr.D : 0), m(max_rows),
+        l(max_rows), acc(max_rows * pr.D), scores(pr.BS), kt(pr.D * pr.BS) {}
+};
+
+// Rows of sequence s (q_len queries from row `start`) over KV head h. kBS / kD are the page
+// size and head dim when known at compile time (the common shapes), else 0 (read from `pr`).
+template <int64_t kBS, int64_t kD>
+void attend(const Problem& pr, Scratch& w, int64_t s, int64_t h, int64_t start, int64_t q_len) {
+  const int64_t BS = kBS ? kBS : pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
+  const int64_t limit = pr.ctx_lens[s];  // keys in the pool, this step's included
+  const int64_t pos0 = limit - q_len;    // position of the first query row
+  if (pos0 < 0) return;
+  const int64_t rows = q_len * G;
+  // Earliest key any row may see (the window of the first query position).
+  const int64_t first_key = pr.sliding_window > 0 ? std::max<int64_t>(0, pos0 - pr.sliding_window + 1) : 0;
+  float *m = w.m.data(), *l = w.l.data(), *acc = w.acc.data(), *sc = w.scores.data();
+  std::fill(m, m + rows, kMasked);
+  std::fill(l, l + rows, 0.0f);
+  std::fill(acc, acc + rows * D, 0.0f);
+  const int64_t last_page = std::min<int64_t>((limit + BS - 1) / BS, pr.MB);
+  for (int64_t p = first_key / BS; p < last_page; ++p) {
+    const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
+    const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
+    const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
+    const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, limit - key0);
+    // The next page's K and V, to prefetch a few cache lines at a time while this page computes:
+    // pages are scattered 4 KB runs, too short for the hardware prefetcher to get ahead.
+    const char *next_k = nullptr, *next_v = nullptr;
+    const int64_t elem = pr.bits_dtype ? 2 : 4, lines_per_key = std::max<int64_t>(1, D * elem / 64);
+    if (p + 1 < last_page) {
+      const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
+      next_k = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
+      next_v = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t j = r / G, g = r % G;
+      const int64_t q_pos = pos0 + j;
+      const float* qrow = pr.q + ((start + j) * QH + h * G + g) * D;
+      for (int64_t t = 0; t < BS; ++t) {
+        if (r == 0 && next_k != nullptr) {
+          for (int64_t line = 0; line < lines_per_key; ++line) {
+            __builtin_prefetch(next_k + (t * lines_per_key + line) * 64);
+            __builtin_prefetch(next_v + (t * lines_per_key + line) * 64);
+          }
+        }
+        const float* krow = kpage + t * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qrow[d] * krow[d];
+        sc[t] = dot;
+      }
+      float page_max = kMasked;
+      for (int64_t t = 0; t < BS; ++t) {
+        float x = sc[t];
+        if (pr.soft_cap > 0.0f) x = pr.soft_cap * std::tanh(x / pr.soft_cap);
+        const int64_t key = key0 + t;
+        if (t >= nkeys || key > q_pos || (pr.sliding_window > 0 && key <= q_pos - pr.sliding_window)) x = kMasked;
+        sc[t] = x;
+        page_max = std::max(page_max, x);
+      }
+      if (page_max == kMasked) continue;  // no visible key in this page for this row
+      const float m_new = std::max(m[r], page_max);
+      const float alpha = m[r] == kMasked ? 0.0f : fast_exp(m[r] - m_new);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < BS; ++t) {
+        const float e = sc[t] == kMasked ? 0.0f : fast_exp(sc[t] - m_new);
+        sc[t] = e;
+        sum += e;
+      }
+      float* a = acc + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      for (int64_t t = 0; t < nkeys; ++t) {
+        const float e = sc[t];
+        const float* vrow = vpage + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += e * vrow[d];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (l[r] == 0.0f) continue;
+    const int64_t j = r / G, g = r % G;
+    const int64_t row = (start + j) * QH + h * G + g;
+    const float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < D; ++d) pr.out[row * D + d] = acc[r * D + d] * inv;
+    pr.lse[row] = m[r] + std::log(l[r]);
+  }
+}
+
+ffi::Error PagedContextImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
+                            ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
+                            int64_t sliding_window, float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto kd = kv.dimensions();
+  if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
+  Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
+             query_start_loc.typed_data(), out->typed_data(), lse->typed_data(),
+             qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
+             sliding_window, soft_cap};
+  if (kd[4] != pr.D || pr.QH % pr.KVH) return ffi::Error::InvalidArgument("q and kv shapes disagree");
+  pr.G = pr.QH / pr.KVH;
+  const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
+  std::fill(pr.out, pr.out + pr.T * pr.QH * pr.D, 0.0f);
+  std::fill(pr.lse, pr.lse + pr.T * pr.QH, -std::numeric_limits<float>::infinity());
+  auto fn = &attend<0, 0>;
+  if (pr.BS == 16 && pr.D == 64) fn = &attend<16, 64>;
+  else if (pr.BS == 16 && pr.D == 128) fn = &attend<16, 128>;
+  else if (pr.BS == 32 && pr.D == 64) fn = &attend<32, 64>;
+  else if (pr.BS == 32 && pr.D == 128) fn = &attend<32, 128>;
+
+#pragma omp parallel
+  {
+    Scratch w(pr, max_q_len * pr.G);
+#pragma omp for schedule(dynamic)
+    for (int64_t work = 0; work < num_seqs * pr.KVH; ++work) {
+      const int64_t s = work / pr.KVH, h = work % pr.KVH;
+      const int64_t start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
+      if (q_len < 1 || q_len > max_q_len || start < 0 || start + q_len > pr.T) continue;
+      fn(pr, w, s, h, start, q_len);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Attr<int64_t>("bits_dtype")
+                                  .Attr<int64_t>("max_q_len")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
