@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="128,1024", help="context lengths of the decode steps")
     ap.add_argument("--prefill", default="64,256,512", help="prefill chunk sizes (one sequence, after 256 tokens)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", help="the engine's --dtype")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--trace-dir", default=None, help="where the per-step jax.profiler traces go (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = max(num_blocks, -(-(256 + max(chunks)) // 16) + 64)
     buckets = tuple(sorted(set(batches + chunks + [budget])))
     engine = LLMEngine.from_kwargs(None, max_num_batched_tokens=budget, max_num_seqs=max(batches),
-                                   max_model_len=max_len, num_kv_blocks=num_blocks, token_buckets=buckets)
+                                   max_model_len=max_len, num_kv_blocks=num_blocks, token_buckets=buckets,
+                                   dtype=args.dtype)
     model = Model(engine)
     rate, read_bw = mm["GFLOPs"], bw["read_GBps"]
     print(f"model: {model.params / 1e6:.1f} M params ({model.layer_params / 1e6:.1f} M outside the embedding), "

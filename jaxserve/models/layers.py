@@ -44,7 +44,19 @@ class Proj(nnx.Einsum):
                          preferred_element_type=jnp.float32, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return super().__call__(x).astype(self.dtype or x.dtype)
+        return one_row_safe(super().__call__, x).astype(self.dtype or x.dtype)
+
+
+def one_row_safe(matmul, x: jax.Array) -> jax.Array:
+    """`matmul(x)` for x [T, ...]; a single 16-bit row is computed as two.
+
+    XLA:CPU runs a one-row bf16 dot by converting the whole weight matrix to float32 first
+    (a batch-1 decode step took ~10x longer than in float32); with two rows it takes the
+    bf16 dot path. T is static, so this costs nothing for other shapes.
+    """
+    if x.shape[0] != 1 or jnp.dtype(x.dtype).itemsize != 2:
+        return matmul(x)
+    return matmul(jnp.concatenate([x, x]))[:1]
 
 
 class RMSNorm(nnx.Module):

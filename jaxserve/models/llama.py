@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import DecoderLayer, RMSNorm
+from jaxserve.models.layers import DecoderLayer, RMSNorm, one_row_safe
 from jaxserve.models.metadata import AttentionMetadata
 
 
@@ -58,4 +58,5 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> [N, vocab] float32 logits."""
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head[...]  # [vocab, hidden]
-        return jnp.einsum("nd,vd->nv", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        weight = weight.astype(hidden.dtype)
+        return one_row_safe(lambda h: jnp.einsum("nd,vd->nv", h, weight, preferred_element_type=jnp.float32), hidden)
