@@ -117,12 +117,19 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
         paged["decode_query_len"] = 0
     else:
         paged["decode_query_len"] = decode_query_len
-    parts.append(_in_step_attention(qs[:padded], k, v, query_start_loc, num_seqs, in_step, block=block,
-                                    sliding_window=sliding_window, soft_cap=soft_cap))
-    rest = paged_context_attention(qs, kv_cache, block_tables, context_lens, query_start_loc[:-1], q_lens, earlier,
-                                   **paged)
-    parts.append(tuple(x[:padded] for x in rest))
-    out, _ = functools.reduce(_merge, parts)
+
+    def with_longer_runs(parts):
+        parts = parts + [_in_step_attention(qs[:padded], k, v, query_start_loc, num_seqs, in_step, block=block,
+                                            sliding_window=sliding_window, soft_cap=soft_cap)]
+        rest = paged_context_attention(qs, kv_cache, block_tables, context_lens, query_start_loc[:-1], q_lens,
+                                       earlier, **paged)
+        parts.append(tuple(x[:padded] for x in rest))
+        return functools.reduce(_merge, parts)[0]
+
+    if parts:   # the native kernel took the short runs: the jnp parts only run when a longer one exists
+        out = lax.cond(jnp.any(in_step), with_longer_runs, lambda parts: parts[0][0], parts)
+    else:
+        out = with_longer_runs(parts)
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -175,8 +182,13 @@ def _in_step_attention(qs, k, v, query_start_loc, num_seqs, active, *, block, sl
         return (lax.dynamic_update_slice_in_dim(out[0], res, row0, axis=0),
                 lax.dynamic_update_slice_in_dim(out[1], lse, row0, axis=0))
 
+    # Only the tiles from the first to the last row of an active sequence (decodes, run first
+    # in a batch, are often all inactive here).
+    taken = seg >= 0
+    first_tile = jnp.argmax(taken).astype(jnp.int32) // block
+    end_tile = jnp.where(taken.any(), (padded - 1 - jnp.argmax(taken[::-1]).astype(jnp.int32)) // block + 1, 0)
     out = (jnp.zeros_like(qs), jnp.full(qs.shape[:-1], -jnp.inf, _F32))
-    return lax.fori_loop(0, _cdiv(num_real, block), tile_body, out)
+    return lax.fori_loop(first_tile, end_tile, tile_body, out)
 
 
 def _merge(a, b):
