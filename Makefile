@@ -38,3 +38,15 @@ $(PEERS_VLLM)/.installed:
 
 .PHONY: peers-vllm
 peers-vllm: $(PEERS_VLLM)/.installed
+
+# llama.cpp's Python binding for the batch-1 comparison in benchmarks/peers_vllm.py (built
+# from source for this CPU, ~5 minutes), with the gguf writer for a float32 GGUF.
+PEERS_LLAMA ?= .venv-llama
+$(PEERS_LLAMA)/.installed:
+	python3 -m venv $(PEERS_LLAMA)
+	$(PEERS_LLAMA)/bin/python -m pip install --quiet --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PEERS_LLAMA)/bin/python -m pip install --quiet 'llama-cpp-python==0.3.36'
+	touch $@
+
+.PHONY: peers-llama
+peers-llama: $(PEERS_LLAMA)/.installed

