@@ -104,99 +104,129 @@ struct Problem {
   float soft_cap;
 };
 
+constexpr int64_t kSeqGroup = 8;  // sequences walked page by page together (see `attend`)
+
 struct Scratch {  // per thread
-  std::vector<float> kbuf, vbuf, m, l, acc, scores, kt;
+  std::vector<float> kbuf, vbuf, m, l, acc, scores;
   Scratch(const Problem& pr, int64_t max_rows)
-      : kbuf(pr.bits_dtype ? pr.BS * pr.D : 0), vbuf(pr.bits_dtype ? pr.BS * pr.D : 0), m(max_rows),
-        l(max_rows), acc(max_rows * pr.D), scores(pr.BS), kt(pr.D * pr.BS) {}
+      : kbuf(pr.bits_dtype ? pr.BS * pr.D : 0), vbuf(pr.bits_dtype ? pr.BS * pr.D : 0),
+        m(kSeqGroup * max_rows), l(kSeqGroup * max_rows), acc(kSeqGroup * max_rows * pr.D), scores(pr.BS) {}
 };
 
-// Rows of sequence s (q_len queries from row `start`) over KV head h. kBS / kD are the page
-// size and head dim when known at compile time (the common shapes), else 0 (read from `pr`).
+struct Run {  // one sequence's query rows in a group
+  int64_t s, start, q_len, rows, pos0, limit, first_page, last_page;
+  float *m, *l, *acc;  // online-softmax state of its rows, in the thread's scratch
+};
+
+// Fold page p of run `r` (KV head h) into its rows' online softmax.
 template <int64_t kBS, int64_t kD>
-void attend(const Problem& pr, Scratch& w, int64_t s, int64_t h, int64_t start, int64_t q_len) {
+void fold_page(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t p) {
   const int64_t BS = kBS ? kBS : pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
-  const int64_t limit = pr.ctx_lens[s];  // keys in the pool, this step's included
-  const int64_t pos0 = limit - q_len;    // position of the first query row
-  if (pos0 < 0) return;
-  const int64_t rows = q_len * G;
-  // Earliest key any row may see (the window of the first query position).
-  const int64_t first_key = pr.sliding_window > 0 ? std::max<int64_t>(0, pos0 - pr.sliding_window + 1) : 0;
-  float *m = w.m.data(), *l = w.l.data(), *acc = w.acc.data(), *sc = w.scores.data();
-  std::fill(m, m + rows, kMasked);
-  std::fill(l, l + rows, 0.0f);
-  std::fill(acc, acc + rows * D, 0.0f);
-  const int64_t last_page = std::min<int64_t>((limit + BS - 1) / BS, pr.MB);
-  for (int64_t p = first_key / BS; p < last_page; ++p) {
-    const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
-    const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
-    const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
-    const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, limit - key0);
-    // The next page's K and V, to prefetch a few cache lines at a time while this page computes:
-    // pages are scattered 4 KB runs, too short for the hardware prefetcher to get ahead.
-    const char *next_k = nullptr, *next_v = nullptr;
-    const int64_t elem = pr.bits_dtype ? 2 : 4, lines_per_key = std::max<int64_t>(1, D * elem / 64);
-    if (p + 1 < last_page) {
-      const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
-      next_k = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
-      next_v = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t j = r / G, g = r % G;
-      const int64_t q_pos = pos0 + j;
-      const float* qrow = pr.q + ((start + j) * QH + h * G + g) * D;
-      for (int64_t t = 0; t < BS; ++t) {
-        if (r == 0 && next_k != nullptr) {
-          for (int64_t line = 0; line < lines_per_key; ++line) {
-            __builtin_prefetch(next_k + (t * lines_per_key + line) * 64);
-            __builtin_prefetch(next_v + (t * lines_per_key + line) * 64);
-          }
-        }
-        const float* krow = kpage + t * D;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qrow[d] * krow[d];
-        sc[t] = dot;
-      }
-      float page_max = kMasked;
-      for (int64_t t = 0; t < BS; ++t) {
-        float x = sc[t];
-        if (pr.soft_cap > 0.0f) x = pr.soft_cap * std::tanh(x / pr.soft_cap);
-        const int64_t key = key0 + t;
-        if (t >= nkeys || key > q_pos || (pr.sliding_window > 0 && key <= q_pos - pr.sliding_window)) x = kMasked;
-        sc[t] = x;
-        page_max = std::max(page_max, x);
-      }
-      if (page_max == kMasked) continue;  // no visible key in this page for this row
-      const float m_new = std::max(m[r], page_max);
-      const float alpha = m[r] == kMasked ? 0.0f : fast_exp(m[r] - m_new);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < BS; ++t) {
-        const float e = sc[t] == kMasked ? 0.0f : fast_exp(sc[t] - m_new);
-        sc[t] = e;
-        sum += e;
-      }
-      float* a = acc + r * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      for (int64_t t = 0; t < nkeys; ++t) {
-        const float e = sc[t];
-        const float* vrow = vpage + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += e * vrow[d];
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-    }
+  const int64_t s = run.s, start = run.start, rows = run.rows, pos0 = run.pos0, limit = run.limit;
+  const int64_t last_page = run.last_page;
+  float *m = run.m, *l = run.l, *acc = run.acc, *sc = w.scores.data();
+  const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
+  const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
+  const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
+  const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, limit - key0);
+  // The next page's K and V, to prefetch a few cache lines at a time while this page computes:
+  // pages are scattered 4 KB runs, too short for the hardware prefetcher to get ahead.
+  const char *next_k = nullptr, *next_v = nullptr;
+  const int64_t elem = pr.bits_dtype ? 2 : 4, lines_per_key = std::max<int64_t>(1, D * elem / 64);
+  if (p + 1 < last_page) {
+    const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
+    next_k = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
+    next_v = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    if (l[r] == 0.0f) continue;
     const int64_t j = r / G, g = r % G;
-    const int64_t row = (start + j) * QH + h * G + g;
-    const float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < D; ++d) pr.out[row * D + d] = acc[r * D + d] * inv;
-    pr.lse[row] = m[r] + std::log(l[r]);
+    const int64_t q_pos = pos0 + j;
+    const float* qrow = pr.q + ((start + j) * QH + h * G + g) * D;
+    for (int64_t t = 0; t < BS; ++t) {
+      if (r == 0 && next_k != nullptr) {
+        for (int64_t line = 0; line < lines_per_key; ++line) {
+          __builtin_prefetch(next_k + (t * lines_per_key + line) * 64);
+          __builtin_prefetch(next_v + (t * lines_per_key + line) * 64);
+        }
+      }
+      const float* krow = kpage + t * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qrow[d] * krow[d];
+      sc[t] = dot;
+    }
+    float page_max = kMasked;
+    for (int64_t t = 0; t < BS; ++t) {
+      float x = sc[t];
+      if (pr.soft_cap > 0.0f) x = pr.soft_cap * std::tanh(x / pr.soft_cap);
+      const int64_t key = key0 + t;
+      if (t >= nkeys || key > q_pos || (pr.sliding_window > 0 && key <= q_pos - pr.sliding_window)) x = kMasked;
+      sc[t] = x;
+      page_max = std::max(page_max, x);
+    }
+    if (page_max == kMasked) continue;  // no visible key in this page for this row
+    const float m_new = std::max(m[r], page_max);
+    const float alpha = m[r] == kMasked ? 0.0f : fast_exp(m[r] - m_new);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < BS; ++t) {
+      const float e = sc[t] == kMasked ? 0.0f : fast_exp(sc[t] - m_new);
+      sc[t] = e;
+      sum += e;
+    }
+    float* a = acc + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+    for (int64_t t = 0; t < nkeys; ++t) {
+      const float e = sc[t];
+      const float* vrow = vpage + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += e * vrow[d];
+    }
+    l[r] = l[r] * alpha + sum;
+    m[r] = m_new;
+  }
+}
+
+// Rows of up to kSeqGroup sequences over KV head h, walked page index by page index: when
+// sequences share a prefix, their shared pages are read from memory once and from cache by
+// the others (cascade attention without a separate pass). kBS / kD are the page size and
+// head dim when known at compile time (the common shapes), else 0 (read from `pr`).
+template <int64_t kBS, int64_t kD>
+void attend(const Problem& pr, Scratch& w, const int64_t* seqs, int64_t count, int64_t h, int64_t max_rows) {
+  const int64_t BS = kBS ? kBS : pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
+  Run runs[kSeqGroup];
+  int64_t n = 0, lo = INT64_MAX, hi = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t s = seqs[i], start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
+    const int64_t limit = pr.ctx_lens[s], pos0 = limit - q_len;  // keys in the pool (this step's included)
+    if (pos0 < 0) continue;
+    // Earliest key any row may see (the window of the first query position).
+    const int64_t first_key = pr.sliding_window > 0 ? std::max<int64_t>(0, pos0 - pr.sliding_window + 1) : 0;
+    Run& r = runs[n];
+    r = Run{s, start, q_len, q_len * G, pos0, limit, first_key / BS,
+            std::min<int64_t>((limit + BS - 1) / BS, pr.MB), w.m.data() + n * max_rows,
+            w.l.data() + n * max_rows, w.acc.data() + n * max_rows * D};
+    std::fill(r.m, r.m + r.rows, kMasked);
+    std::fill(r.l, r.l + r.rows, 0.0f);
+    std::fill(r.acc, r.acc + r.rows * D, 0.0f);
+    lo = std::min(lo, r.first_page);
+    hi = std::max(hi, r.last_page);
+    ++n;
+  }
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t i = 0; i < n; ++i)
+      if (p >= runs[i].first_page && p < runs[i].last_page) fold_page<kBS, kD>(pr, w, runs[i], h, p);
+  for (int64_t i = 0; i < n; ++i) {
+    const Run& r = runs[i];
+    for (int64_t k = 0; k < r.rows; ++k) {
+      if (r.l[k] == 0.0f) continue;
+      const int64_t j = k / G, g = k % G;
+      const int64_t row = (r.start + j) * QH + h * G + g;
+      const float inv = 1.0f / r.l[k];
+      for (int64_t d = 0; d < D; ++d) pr.out[row * D + d] = r.acc[k * D + d] * inv;
+      pr.lse[row] = r.m[k] + std::log(r.l[k]);
+    }
   }
 }
 
@@ -223,15 +253,23 @@ ffi::Error PagedContextImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buf
   else if (pr.BS == 32 && pr.D == 64) fn = &attend<32, 64>;
   else if (pr.BS == 32 && pr.D == 128) fn = &attend<32, 128>;
 
+  // The short runs, in batch order, cut into groups of kSeqGroup; work = (group, KV head).
+  std::vector<int64_t> eligible;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
+    if (q_len >= 1 && q_len <= max_q_len && start >= 0 && start + q_len <= pr.T) eligible.push_back(s);
+  }
+  const int64_t groups = (static_cast<int64_t>(eligible.size()) + kSeqGroup - 1) / kSeqGroup;
+  const int64_t max_rows = max_q_len * pr.G;
 #pragma omp parallel
   {
-    Scratch w(pr, max_q_len * pr.G);
+    Scratch w(pr, max_rows);
 #pragma omp for schedule(dynamic)
-    for (int64_t work = 0; work < num_seqs * pr.KVH; ++work) {
-      const int64_t s = work / pr.KVH, h = work % pr.KVH;
-      const int64_t start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
-      if (q_len < 1 || q_len > max_q_len || start < 0 || start + q_len > pr.T) continue;
-      fn(pr, w, s, h, start, q_len);
+    for (int64_t work = 0; work < groups * pr.KVH; ++work) {
+      const int64_t g = work / pr.KVH, h = work % pr.KVH;
+      const int64_t first = g * kSeqGroup;
+      const int64_t count = std::min<int64_t>(kSeqGroup, static_cast<int64_t>(eligible.size()) - first);
+      fn(pr, w, eligible.data() + first, count, h, max_rows);
     }
   }
   return ffi::Error::Success();

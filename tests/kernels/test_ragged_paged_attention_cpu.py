@@ -172,3 +172,18 @@ def test_native_compiled_shapes(block_size, head_dim):
                       max_blocks=-(-90 // block_size), num_kv_heads=3, group=3)
     got = run_cpu(args, native=True, decode_query_len=2)
     np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("native", [NATIVE, JNP])
+def test_sequences_sharing_prefix_pages(native):
+    """Prefix-cache hits: many sequences' tables start with the same blocks (the native kernel
+    walks a group of sequences page by page, so shared pages are read back to back)."""
+    seqs = [(40, 1)] * 6 + [(21, 1), (37, 5), (9, 1), (30, 1), (50, 1), (18, 1)]
+    args = list(make_batch(seqs, num_seq_slots=16, num_blocks=128, max_blocks=16))
+    tables = args[2].copy()
+    for s in range(1, len(seqs)):
+        shared = min(-(-seqs[s][0] // 4), 3)       # up to 3 blocks of 4 tokens in common with sequence 0
+        tables[s, :shared] = tables[0, :shared]
+    args[2] = tables
+    got = run_cpu(tuple(args), native=native)
+    np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)
