@@ -1,8 +1,8 @@
-"""The native CPU decode-attention kernel: built on first use, registered with XLA's FFI, called in the step.
+"""Native CPU kernels: built on first use, registered with XLA's FFI, called in the step.
 
-What flows through: `paged_context_native(...)` is traced inside the caller's jitted step
-and becomes one XLA custom call (`native/paged_context.cc`) that reads the K/V pages in
-place. The shared library is compiled once per machine with the system C++ compiler
+What flows through: `paged_context_native(...)` (decode attention, `native/paged_context.cc`,
+reads the K/V pages in place) and `matvec(...)` (one-row matmuls, `native/matvec.cc`) are
+traced inside the caller's jitted step and each becomes one XLA custom call. The shared library is compiled once per machine with the system C++ compiler
 (`c++ -O3 -march=native -fopenmp`, jaxlib's FFI headers) into the user's cache folder,
 keyed by the source, the compiler flags and the jaxlib version; `available()` does that
 on the caller's thread (the engine calls it at start-up) and says False, after one
@@ -34,8 +34,9 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "paged_context.cc"
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc"))
 TARGET = "jaxserve_paged_context"
+MATVEC_TARGET = "jaxserve_matvec"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BITS = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}
 
@@ -56,9 +57,9 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode() + jax.__version__.encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    return cache_dir() / f"paged_context-{key}.so"
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(_FLAGS).encode()
+                         + jax.__version__.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    return cache_dir() / f"jaxserve_cpu-{key}.so"
 
 
 def build(path: Path | None = None) -> Path:
@@ -72,7 +73,7 @@ def build(path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_lib = Path(tmp) / path.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_lib)]
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -86,10 +87,11 @@ def available() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedContext), platform="cpu")
+        jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.JaxserveMatvec), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
-        logger.warning("native CPU attention kernel unavailable (%s); decodes use the pure-jnp path", e)
+        logger.warning("native CPU kernels unavailable (%s); decodes and one-row matmuls use pure jnp", e)
         return False
-    logger.info("native CPU attention kernel loaded from %s", _library_path())
+    logger.info("native CPU kernels loaded from %s", _library_path())
     return True
 
 
@@ -112,3 +114,16 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def matvec(x, w, *, transposed: bool = False):
+    """One-row matmul on the CPU: x [K] float32 times w [K, N] (or [N, K] when `transposed`,
+    y = w @ x), w float32 or bfloat16 -> y [N] float32. Call `available()` first."""
+    if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matvec takes a float32 or bfloat16 matrix, got {w.dtype}{list(w.shape)}")
+    k = w.shape[1] if transposed else w.shape[0]
+    if x.size != k:
+        raise ValueError(f"x has {x.size} elements, w {list(w.shape)} needs {k}")
+    n = w.shape[0] if transposed else w.shape[1]
+    call = jax.ffi.ffi_call(MATVEC_TARGET, jax.ShapeDtypeStruct((n,), jnp.float32))
+    return call(x.reshape(k).astype(jnp.float32), w, transposed=np.int64(transposed))

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.metadata import AttentionMetadata
-from kernels_pallas import ragged_paged_attention, write_kv_cache
+from kernels_pallas import native_cpu, ragged_paged_attention, write_kv_cache
 
 
 class Proj(nnx.Einsum):
@@ -37,14 +37,39 @@ class Proj(nnx.Einsum):
     dot-product instructions (~2x the float32 rate; benchmarks/RESULTS.md). Rounding the
     float32 result to bfloat16 is what a bf16 GEMM does anyway; for float32 models this is
     an ordinary einsum. Params keep nnx.Einsum's names (`kernel`, `bias`).
+
+    With `native_rows` (the "cpu" attention backend), a one-row input (a batch-1 decode
+    step) runs through the native CPU matvec, which streams the weight with every core.
     """
 
-    def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 native_rows: bool = False):
         super().__init__(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=param_dtype,
                          preferred_element_type=jnp.float32, rngs=rngs)
+        lhs, rest = einsum_str.split(",")
+        rhs, out = rest.split("->")
+        # Only "t<c>,<c><o>->t<o>" contractions (every projection here) map onto x [K] . W [K, N].
+        self.native_rows = native_rows and rhs.startswith(lhs[1:]) and out == "t" + rhs[len(lhs) - 1:]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return one_row_safe(super().__call__, x).astype(self.dtype or x.dtype)
+        kernel = self.kernel[...]
+        if self.native_rows and native_matvec_ok(x, kernel):
+            y = native_cpu.matvec(x, kernel.reshape(x.size, -1)).reshape(1, *kernel.shape[x.ndim - 1:])
+            if self.bias is not None:
+                y = y + self.bias[...].astype(jnp.float32)
+        else:
+            y = one_row_safe(super().__call__, x)
+        return y.astype(self.dtype or x.dtype)
+
+
+def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:
+    """True when x is one row and `native_cpu.matvec` can take the weight here (static checks)."""
+    if x.shape[0] != 1 or weight.dtype not in (jnp.float32, jnp.bfloat16):
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and any(size > 1 for size in mesh.shape.values()):
+        return False   # sharded weights: leave the matmul (and its collectives) to XLA
+    return native_cpu.available()
 
 
 def one_row_safe(matmul, x: jax.Array) -> jax.Array:
@@ -155,10 +180,11 @@ class Attention(nnx.Module):
         q_bias = (heads, head_dim) if config.attention_bias else None
         kv_bias = (kv_heads, head_dim) if config.attention_bias else None
         o_bias = (hidden,) if config.o_proj_bias else None
-        self.q_proj = Proj("td,dhk->thk", (hidden, heads, head_dim), q_bias, **common)
-        self.k_proj = Proj("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common)
-        self.v_proj = Proj("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common)
-        self.o_proj = Proj("thk,hkd->td", (heads, head_dim, hidden), o_bias, **common)
+        native = dict(native_rows=config.attention_backend == "cpu")
+        self.q_proj = Proj("td,dhk->thk", (hidden, heads, head_dim), q_bias, **common, **native)
+        self.k_proj = Proj("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common, **native)
+        self.v_proj = Proj("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common, **native)
+        self.o_proj = Proj("thk,hkd->td", (heads, head_dim, hidden), o_bias, **common, **native)
         if config.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, **common)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, **common)
@@ -187,9 +213,10 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(
-        self, hidden: int, intermediate: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs
+        self, hidden: int, intermediate: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
+        native_rows: bool = False,
     ):
-        common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, native_rows=native_rows)
         up_bias = (intermediate,) if use_bias else None
         down_bias = (hidden,) if use_bias else None
         self.gate_proj = Proj("td,df->tf", (hidden, intermediate), up_bias, **common)
@@ -209,7 +236,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **common)
         self.self_attn = Attention(config, sliding_window=config.layer_sliding_windows[layer_idx], **common)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **common)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias, **common)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias,
+                       native_rows=config.attention_backend == "cpu", **common)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import DecoderLayer, RMSNorm, one_row_safe
+from jaxserve.models.layers import DecoderLayer, RMSNorm, native_matvec_ok, one_row_safe
+from kernels_pallas import native_cpu
 from jaxserve.models.metadata import AttentionMetadata
 
 
@@ -58,5 +59,7 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> [N, vocab] float32 logits."""
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head[...]  # [vocab, hidden]
+        if self.config.attention_backend == "cpu" and native_matvec_ok(hidden, weight):
+            return native_cpu.matvec(hidden, weight, transposed=True)[None]    # batch-1 decode: native
         weight = weight.astype(hidden.dtype)
         return one_row_safe(lambda h: jnp.einsum("nd,vd->nv", h, weight, preferred_element_type=jnp.float32), hidden)
