@@ -1,20 +1,22 @@
-"""Ragged paged attention for CPUs: this step's own keys read in place, earlier context through pages.
+"""Ragged paged attention for CPUs: pages read in place, this step's own keys without pages.
 
 What flows through: the reference's inputs plus this step's keys and values `k`, `v`
 [T, num_kv_heads, head_dim] (the rows `write_kv_cache` has just stored). Runs inside
-the caller's jitted step. A query attends two disjoint sets of keys:
-- keys computed in this step: earlier rows of its own sequence in the flat batch. They
-  are read straight from `k`/`v` in dense tiles of `q_block` rows (a segment mask keeps
-  sequences apart), so a fresh prefill gathers no page at all; each query tile visits only
-  the key tiles from its first sequence's start (or its sliding window) to itself.
-- keys cached before this step (positions < context_len - q_len): the reference's paged
-  path (`paged_context_attention`) restricted to them; sequences with no earlier
-  context (fresh prefills) are skipped there.
-The two partial results are merged by log-sum-exp. The result equals the reference's up
-to float rounding (tests/kernels/test_ragged_paged_attention_cpu.py checks it).
+the caller's jitted step. Each sequence takes one of two routes:
+- short runs (decodes, at most `decode_query_len` queries): the native kernel
+  (`native_cpu`, an XLA FFI call) reads their whole context from the pool where it lies,
+  walking groups of sequences page by page so shared prefix pages are read once;
+- longer runs (prefills, chunks, prefix-hit suffixes) attend two disjoint key sets, merged by
+  log-sum-exp: keys computed in this step, read straight from `k`/`v` in dense tiles of
+  `q_block` rows (a segment mask keeps sequences apart; no page gather), and keys cached
+  before this step through the reference's paged tiles (`paged_context_attention`),
+  which skips sequences with no earlier context.
+When the native kernel is unavailable (no C++ compiler) short runs take the jnp routes too.
+The result equals the reference's up to float rounding (tests/kernels/
+test_ragged_paged_attention_cpu.py checks both against a float64 oracle).
 
-Why: the reference gathers (copies) every key page before use, ~5 GB/s on the CPU, and
-runs a prefill as many small query tiles; most prefill keys are in this step anyway.
+Why: the reference gathers (copies) every key page before use (~5 GB/s on the CPU) and pays a
+fixed cost per loop trip; decodes only read, and most prefill keys are in this step anyway.
 """
 
 from __future__ import annotations
