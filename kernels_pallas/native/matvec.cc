@@ -41,7 +41,15 @@ void rows_times(const float* x, const T* w, float* y, int64_t K, int64_t N) {
     const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
     const int64_t k0 = K * t / n_threads, k1 = K * (t + 1) / n_threads;
     float* acc = partial.data() + static_cast<int64_t>(t) * N;
-    for (int64_t k = k0; k < k1; ++k) {
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {  // four rows per pass: the partial sums are loaded and stored 4x less
+      const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
+      const T *r0 = w + k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+#pragma omp simd
+      for (int64_t n = 0; n < N; ++n)
+        acc[n] += x0 * load(r0, n) + x1 * load(r1, n) + x2 * load(r2, n) + x3 * load(r3, n);
+    }
+    for (; k < k1; ++k) {
       const float xk = x[k];
       const T* row = w + k * N;
 #pragma omp simd
