@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -81,9 +82,20 @@ def build(path: Path | None = None) -> Path:
     return path
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
 def available() -> bool:
-    """True once the kernel is built, loaded and registered for the CPU platform (tried once per process)."""
+    """True once the kernels are built, loaded and registered for the CPU platform (tried once per process).
+
+    Thread-safe: the runner compiles its token buckets on several threads at once.
+    """
+    with _LOCK:
+        return _load()
+
+
+@functools.cache
+def _load() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedContext), platform="cpu")
