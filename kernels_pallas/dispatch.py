@@ -7,8 +7,9 @@ name. The Pallas modules are imported only when their backend is traced, so the 
 path never loads them. Under a mesh with a "tp" axis (tensor parallelism) every backend
 runs per device over that device's heads (shard_map), so no device gathers the cache.
 
-Backends: "reference" (pure jnp; the kernels' oracle), "cpu" (pure jnp; this step's keys
-read in place, only earlier context through pages: the CPU production path), "pallas_gpu"
+Backends: "reference" (pure jnp; the kernels' oracle), "cpu" (the CPU production path:
+decodes through a native FFI kernel that reads pages in place, longer runs in jnp that read
+this step's keys without pages; `ragged_paged_attention_cpu`), "pallas_gpu"
 (Triton-lowered Pallas kernel, NVIDIA GPUs), "pallas_tpu" (Mosaic Pallas kernel, TPUs).
 """
 
