@@ -36,6 +36,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc"))
+HEADERS = (Path(__file__).with_name("native") / "bits.h",)
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -58,7 +59,7 @@ def _cpu_signature() -> str:
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join(_FLAGS).encode()
                          + jax.__version__.encode() + _cpu_signature().encode()).hexdigest()[:16]
     return cache_dir() / f"jaxserve_cpu-{key}.so"
 
@@ -97,13 +98,14 @@ def available() -> bool:
 @functools.cache
 def _load() -> bool:
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
+        path = build()
+        lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedContext), platform="cpu")
         jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.JaxserveMatvec), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         logger.warning("native CPU kernels unavailable (%s); decodes and one-row matmuls use pure jnp", e)
         return False
-    logger.info("native CPU kernels loaded from %s", _library_path())
+    logger.info("native CPU kernels loaded from %s", path)
     return True
 
 

@@ -11,11 +11,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <omp.h>
 
+#include "bits.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -23,12 +23,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) {  // bfloat16 bits
-  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float load(const uint16_t* p, int64_t i) { return jaxserve_native::bf16_to_f32(p[i]); }  // bf16 bits
 
 // w [K, N]: each thread takes a contiguous run of rows (one stream through memory) into its
 // own partial sums, which are added at the end.
