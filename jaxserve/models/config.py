@@ -62,12 +62,17 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]            # config's eos_token_id, always as a tuple
     # Not from config.json: the attention kernel the engine resolved from --attention-backend
-    # ("reference" | "pallas_gpu" | "pallas_tpu", see kernels_pallas.dispatch).
+    # ("reference" | "cpu" | "pallas_gpu" | "pallas_tpu", see kernels_pallas.dispatch).
     attention_backend: str = "reference"
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def native_rows(self) -> bool:
+        """One-row bf16 matmuls may use the native CPU matvec (the "cpu" backend's batch-1 path)."""
+        return self.attention_backend == "cpu"
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> "ModelConfig":

@@ -184,7 +184,7 @@ class Attention(nnx.Module):
         q_bias = (heads, head_dim) if config.attention_bias else None
         kv_bias = (kv_heads, head_dim) if config.attention_bias else None
         o_bias = (hidden,) if config.o_proj_bias else None
-        native = dict(native_rows=config.attention_backend == "cpu")
+        native = dict(native_rows=config.native_rows)
         self.q_proj = Proj("td,dhk->thk", (hidden, heads, head_dim), q_bias, **common, **native)
         self.k_proj = Proj("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common, **native)
         self.v_proj = Proj("td,dhk->thk", (hidden, kv_heads, head_dim), kv_bias, **common, **native)
@@ -241,7 +241,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, sliding_window=config.layer_sliding_windows[layer_idx], **common)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, **common)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, use_bias=config.mlp_bias,
-                       native_rows=config.attention_backend == "cpu", **common)
+                       native_rows=config.native_rows, **common)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata

@@ -59,7 +59,7 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> [N, vocab] float32 logits."""
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head[...]  # [vocab, hidden]
-        if self.config.attention_backend == "cpu" and native_matvec_ok(hidden, weight):
+        if self.config.native_rows and native_matvec_ok(hidden, weight):
             return native_cpu.matvec(hidden, weight, transposed=True)[None]    # batch-1 decode: native
         weight = weight.astype(hidden.dtype)
         return one_row_safe(lambda h: jnp.einsum("nd,vd->nv", h, weight, preferred_element_type=jnp.float32), hidden)
