@@ -108,21 +108,27 @@ EXTRA = {
     # q scaled up so logits reach ~10, where a cap of 2.5 bends them hard (tanh saturates)
     "soft_cap": dict(seqs=[(17, 1), (12, 12), (48, 16), (30, 2), (64, 1)], soft_cap=2.5, q_scale=4.0),
 }
-CASES = [pytest.param(dict(seqs=seqs), knobs, id=f"{name}-{kname}")
-         for name, seqs in SCENARIOS.items() for kname, knobs in KNOBS.items()]
-CASES += [pytest.param(case, KNOBS["small_tiles"], id=f"{name}-small_tiles") for name, case in EXTRA.items()]
-CASES += [pytest.param(EXTRA[name], KNOBS["default"], id=f"{name}-default") for name in ("sliding_window", "soft_cap")]
 SM_SCALE = 8 ** -0.5  # 1 / sqrt(head_dim) of the base shapes; one static value, one compile
 
 
-@pytest.mark.parametrize("case, knobs", CASES)
-def test_matches_naive_oracle(case, knobs):
+def oracle_cases(knob_sets: dict[str, dict]) -> list:
+    """Every scenario with every knob set; the extra shapes with "small_tiles", the masks also with "default"."""
+    cases = [pytest.param(dict(seqs=seqs), knobs, id=f"{name}-{kname}")
+             for name, seqs in SCENARIOS.items() for kname, knobs in knob_sets.items()]
+    cases += [pytest.param(case, knob_sets["small_tiles"], id=f"{name}-small_tiles") for name, case in EXTRA.items()]
+    cases += [pytest.param(EXTRA[name], knob_sets["default"], id=f"{name}-default")
+              for name in ("sliding_window", "soft_cap")]
+    return cases
+
+
+def assert_matches_oracle(case, attend):
+    """`attend(args, **masking)` on the case's batch equals the float64 oracle; padding rows are 0."""
     case = dict(case)
     masking = dict(sliding_window=case.pop("sliding_window", None), soft_cap=case.pop("soft_cap", None))
     q_scale = case.pop("q_scale", 1.0)
     args = make_batch(case.pop("seqs"), **case)
     args = (args[0] * np.float32(q_scale), *args[1:])
-    got = ragged_paged_attention_reference(*map(jnp.asarray, args), sm_scale=SM_SCALE, **masking, **knobs)
+    got = attend(args, **masking)
     want = naive_attention(*args, sm_scale=SM_SCALE, **masking)
     if masking["soft_cap"] is not None:  # the cap must matter at these logits, or the case tests nothing
         uncapped = naive_attention(*args, sm_scale=SM_SCALE, sliding_window=masking["sliding_window"])
@@ -132,6 +138,12 @@ def test_matches_naive_oracle(case, knobs):
     owned = int(args[4][int(args[5])])
     assert owned < args[0].shape[0], "every scenario has padding rows"
     assert not np.asarray(got[owned:]).any(), "rows of padding tokens must be 0"
+
+
+@pytest.mark.parametrize("case, knobs", oracle_cases(KNOBS))
+def test_matches_naive_oracle(case, knobs):
+    assert_matches_oracle(case, lambda args, **masking: ragged_paged_attention_reference(
+        *map(jnp.asarray, args), sm_scale=SM_SCALE, **masking, **knobs))
 
 
 LN2, LN3 = math.log(2), math.log(3)

@@ -14,8 +14,9 @@ import pytest
 
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_cpu import ragged_paged_attention_cpu
-from tests.kernels.test_ragged_paged_attention import (ATOL, EXTRA, KNOBS, RTOL, SCENARIOS, SM_SCALE, make_batch,
-                                                        naive_attention)
+from tests.kernels.test_ragged_paged_attention import (ATOL, KNOBS, RTOL, SCENARIOS, SM_SCALE,
+                                                        assert_matches_oracle, make_batch, naive_attention,
+                                                        oracle_cases)
 
 CPU_KNOBS = {
     "default": {},
@@ -45,26 +46,9 @@ def run_cpu(args, **kw):
                                       *map(jnp.asarray, meta), sm_scale=SM_SCALE, **kw)
 
 
-CASES = [pytest.param(dict(seqs=seqs), knobs, id=f"{name}-{kname}")
-         for name, seqs in SCENARIOS.items() for kname, knobs in CPU_KNOBS.items()]
-CASES += [pytest.param(case, CPU_KNOBS["small_tiles"], id=f"{name}-small_tiles") for name, case in EXTRA.items()]
-CASES += [pytest.param(EXTRA[name], CPU_KNOBS["default"], id=f"{name}-default") for name in ("sliding_window", "soft_cap")]
-
-
-@pytest.mark.parametrize("case, knobs", CASES)
+@pytest.mark.parametrize("case, knobs", oracle_cases(CPU_KNOBS))
 def test_matches_naive_oracle(case, knobs):
-    case = dict(case)
-    masking = dict(sliding_window=case.pop("sliding_window", None), soft_cap=case.pop("soft_cap", None))
-    q_scale = case.pop("q_scale", 1.0)
-    args = make_batch(case.pop("seqs"), **case)
-    args = (args[0] * np.float32(q_scale), *args[1:])
-    got = run_cpu(args, **masking, **knobs)
-    want = naive_attention(*args, sm_scale=SM_SCALE, **masking)
-    assert got.dtype == jnp.float32 and got.shape == args[0].shape
-    np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
-    owned = int(args[4][int(args[5])])
-    assert owned < args[0].shape[0], "every scenario has padding rows"
-    assert not np.asarray(got[owned:]).any(), "rows of padding tokens must be 0"
+    assert_matches_oracle(case, lambda args, **masking: run_cpu(args, **masking, **knobs))
 
 
 def test_each_part_matters():
