@@ -4,9 +4,9 @@
 on first use so that `import jaxserve.core` stays free of jax.
 """
 
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.core import SamplingParams
+from jaxserve.core import RequestOutputKind, SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
 
@@ -81,7 +81,8 @@ class LLM:
         try:
             for prompt, params in items:
                 request_id = f"llm-{next(self._ids)}"
-                engine.add_request(request_id, prompt, params)
+                # Only the final outputs are returned: nothing is built or copied before them.
+                engine.add_request(request_id, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
                 ids.append(request_id)
             results: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:

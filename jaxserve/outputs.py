@@ -1,7 +1,9 @@
 """What callers get back: vLLM-compatible RequestOutput / CompletionOutput, plus timing.
 
-Built on the engine thread after each step and handed to the caller (LLM.generate, the
-async engine's consumers, the server). Plain data; no jax.
+Built on the engine thread after each step (jaxserve.engine.output_processor) and handed
+to the caller (LLM.generate, the async engine's consumers, the server). What one output
+holds depends on SamplingParams.output_kind: everything so far (CUMULATIVE), what is new
+(DELTA) or the whole result once (FINAL_ONLY). Plain data; no jax.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0                   # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob}, None for the first.
+    # A DELTA output carries the entries computed since the last output.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def logprobs_dict(token_id: int, lp: Logprobs) -> dict[int, float]:

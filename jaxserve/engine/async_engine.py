@@ -6,7 +6,10 @@ to the engine thread through the command queue and are applied between steps; ou
 cross back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. A
 consumer that stops iterating (cancelled, disconnected) aborts its request, freeing its
 blocks. An exception in a step fails every in-flight request with that error and marks
-the engine dead (unhealthy); nothing hangs.
+the engine dead (unhealthy); nothing hangs. A watchdog thread does the same when one step
+runs longer than `step_timeout_s` (a hung device, or a dead multi-host follower inside a
+collective): the stuck thread cannot be recovered, so the engine is declared dead and
+`on_dead` (the server's exit) is called. Queue limits count sequences (n x prompts).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from jaxserve.config import EngineConfig
@@ -33,20 +36,30 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, max_num_queued_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, *, max_num_queued_requests: int | None = None,
+                 step_timeout_s: float | None = None, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """`max_num_queued_requests`: sequences in flight at most (None: no limit).
+        `step_timeout_s`: a step running longer kills the engine (None: wait forever).
+        `on_dead(error)`: called once, from an engine-side thread, when the engine dies of an error."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_num_queued_requests = max_num_queued_requests
+        self.step_timeout_s = step_timeout_s
+        self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()           # guards _streams
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._num_seqs = 0                      # sum of n over _streams
+        self._lock = threading.Lock()           # guards _streams, _num_seqs and _error
         self._error: BaseException | None = None
         self._stopping = False
         self.last_step_time = time.monotonic()
+        self._step_started: float | None = None  # monotonic start of the step in progress
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
+        if step_timeout_s is not None:
+            threading.Thread(target=self._watchdog, name="jaxserve-watchdog", daemon=True).start()
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncEngine":
@@ -64,8 +77,15 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
+        """Requests someone is waiting for."""
         with self._lock:
             return len(self._streams)
+
+    @property
+    def num_sequences_in_flight(self) -> int:
+        """Sequences (n per request) someone is waiting for: what --max-num-queued-requests counts."""
+        with self._lock:
+            return self._num_seqs
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
@@ -82,18 +102,21 @@ class AsyncEngine:
         """
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
-        if self.max_num_queued_requests is not None and self.num_in_flight >= self.max_num_queued_requests:
-            raise QueueFullError(f"the engine has {self.num_in_flight} requests in flight, "
-                                 f"the limit (--max-num-queued-requests) is {self.max_num_queued_requests}")
+        params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
         accepted = loop.create_future()
         with self._lock:
+            limit = self.max_num_queued_requests
+            if limit is not None and self._num_seqs + params.n > limit:
+                raise QueueFullError(f"the engine has {self._num_seqs} sequences in flight and this request "
+                                     f"adds {params.n}; the limit (--max-num-queued-requests) is {limit}")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, stream.queue)
-        self._commands.put(("add", request_id, prompt, params or SamplingParams(), kwargs, loop, accepted))
+            self._streams[request_id] = (loop, stream.queue, params.n)
+            self._num_seqs += params.n
+        self._commands.put(("add", request_id, prompt, params, kwargs, loop, accepted))
         if self._error is not None and not accepted.done():  # died after the check above
             accepted.set_exception(EngineDeadError(f"the engine is not running: {self._error!r}"))
         try:
@@ -115,7 +138,9 @@ class AsyncEngine:
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
-            self._streams.pop(request_id, None)
+            entry = self._streams.pop(request_id, None)
+            if entry is not None:
+                self._num_seqs -= entry[2]
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -138,18 +163,47 @@ class AsyncEngine:
                 if not self._drain_commands(block):
                     break
                 if engine.has_unfinished_requests():
+                    self._step_started = time.monotonic()
                     outputs = engine.step()
+                    self._step_started = None
                     self.last_step_time = time.monotonic()
+                    if self._error is not None:
+                        return   # the watchdog gave up on this step meanwhile
                     for out in outputs:
                         self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - any failure must reach every waiting consumer
             logger.exception("engine step failed; failing %d in-flight requests", self.num_in_flight)
-            self._error = e
-            self._fail_all(e)
+            self._die(e)
             return
-        self._error = EngineDeadError("the engine was shut down")
+        with self._lock:
+            self._error = self._error or EngineDeadError("the engine was shut down")
         engine.abort_all()
         self._fail_all(self._error)
+
+    def _die(self, error: BaseException) -> None:
+        """Record the engine's fatal error (the first one wins), fail every consumer, tell on_dead."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+        self._fail_all(error)
+        if self._on_dead is not None:
+            try:
+                self._on_dead(error)
+            except Exception:  # noqa: BLE001 - the callback must not hide the engine's own error
+                logger.exception("on_dead callback failed")
+
+    def _watchdog(self) -> None:
+        """Declare the engine dead when one step runs past step_timeout_s."""
+        timeout = self.step_timeout_s
+        while self._thread.is_alive() and self._error is None:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("an engine step has run for more than %.1f s (--step-timeout-s); the engine is "
+                             "declared dead", timeout)
+                self._die(StepTimeoutError(f"an engine step made no progress for {timeout:g} s"))
+                return
+            time.sleep(min(1.0, timeout / 10))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts; returns False on stop."""
@@ -182,7 +236,7 @@ class AsyncEngine:
         with self._lock:
             entry = self._streams.get(request_id)
         if entry is not None:
-            loop, stream = entry
+            loop, stream, _ = entry
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, item)
             except RuntimeError:
@@ -206,7 +260,11 @@ class AsyncEngine:
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests in flight (--max-num-queued-requests)."""
+    """Too many sequences in flight (--max-num-queued-requests)."""
+
+
+class StepTimeoutError(EngineDeadError):
+    """One engine step ran past --step-timeout-s."""
 
 
 class RequestStream:

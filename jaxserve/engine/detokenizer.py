@@ -4,7 +4,9 @@ Runs on the engine thread after each step. Text is decoded over a short window o
 tokens so that a multi-byte character split across tokens appears only once complete
 (never as U+FFFD), and spacing matches a full decode. Stop strings are matched on the
 text, across token boundaries; while a sequence runs, the last (longest stop - 1)
-characters are held back so a caller never sees the start of a stop string.
+characters are held back so a caller never sees the start of a stop string. As in vLLM,
+stop strings are looked for only once a sequence has more than `min_tokens` tokens, and
+only in the text that arrived since.
 """
 
 from __future__ import annotations
@@ -27,20 +29,23 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.text = ""
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one was matched (the text is then truncated)."""
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append tokens; returns the stop string if one was matched (the text is then truncated).
+
+        `check_stop=False` (a sequence still under its min_tokens) appends without matching.
+        """
         start = len(self.text)
         for token_id in new_token_ids:
             self.tokens.append(token_id)
             self.text += self._next_piece()
-        return self._match_stop(start)
+        return self._match_stop(start) if check_stop else None
 
-    def flush(self) -> str | None:
+    def flush(self, check_stop: bool = True) -> str | None:
         """At the end: emit what an incomplete character held back (as U+FFFD)."""
         if self.read_offset < len(self.tokens):
             start = len(self.text)
             self.text += self._next_piece(force=True)
-            return self._match_stop(start)
+            return self._match_stop(start) if check_stop else None
         return None
 
     def _match_stop(self, start: int) -> str | None:

@@ -2,12 +2,12 @@
 
 Single-threaded: whoever owns an LLMEngine calls add_request / step / abort_request from
 one thread (the AsyncEngine runs it on its own loop thread). `step()` schedules, runs
-the jitted step, applies stop checks, detokenizes incrementally and returns a
-RequestOutput for every request that changed. `n > 1` becomes n sibling core requests
+the jitted step and hands the token diffs to the OutputProcessor (detokenization, stop
+strings, n > 1), which returns the RequestOutputs due (jaxserve.engine.output_processor). `n > 1` becomes n sibling core requests
 that share the prompt's KV blocks through the prefix cache.
 
 With data_parallel_size > 1 the engine holds several replicas (scheduler + runner on its
-own devices); each new request is routed to one (`_route`), and a step launches every
+own devices); each new request is routed to one (jaxserve.engine.routing), and a step launches every
 replica's work before collecting any. In a multi-process engine, process 0 runs this
 loop and publishes each step's scheduler outputs; the others call `follow()`.
 """
@@ -15,48 +15,19 @@ loop and publishes each step's scheduler outputs; the others call `follow()`.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import time
 from collections.abc import Iterable
 
 from jaxserve.config import EngineConfig
-from jaxserve.core import EngineCoreOutput, Request, RequestStatus, SamplingParams
+from jaxserve.core import Request, RequestStatus, SamplingParams
 from jaxserve.engine.builder import Replica, build_engine_parts
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.routing import route
+from jaxserve.outputs import RequestOutput
 from jaxserve.runner.inputs import MAX_BANNED
 from sharding.distributed import STOP, StepChannel
 
 PromptType = str | list[int] | dict
-
-
-@dataclasses.dataclass
-class _Sequence:
-    """One of a request's n completions."""
-
-    index: int
-    core_id: str
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclasses.dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_Sequence]
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
 
 
 class LLMEngine:
@@ -72,8 +43,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.startup_seconds = parts.startup_seconds
         self.max_model_len = self.scheduler.config.max_model_len
-        self._requests: dict[str, _RequestState] = {}
-        self._core_to_seq: dict[str, tuple[_RequestState, _Sequence]] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._replica_of: dict[str, Replica] = {}       # core request id -> the replica running it
         # Multi-process: the leader (process 0) publishes each step's scheduler output before
         # launching it; followers run `follow()` and launch the same steps.
@@ -109,7 +79,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
-        if request_id in self._requests:
+        if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
@@ -123,9 +93,8 @@ class LLMEngine:
             raise ValueError(f"priority={priority} needs --scheduling-policy priority (the engine runs "
                              f"{self.scheduler.config.policy!r})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        state = _RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival))
         eos = self.tokenizer.eos_token_ids
-        replica = None
+        replica, core_ids = None, []
         for i in range(params.n):
             core_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seq_params = params
@@ -133,25 +102,24 @@ class LLMEngine:
                 seq_params = params.clone(seed=params.seed + i)   # distinct, reproducible siblings
             request = Request(core_id, token_ids, seq_params, eos_token_ids=eos, arrival_time=arrival,
                               priority=priority, cache_salt=cache_salt)
-            replica = replica or self._route(request)      # siblings share the replica (and the prompt's blocks)
+            # Siblings share the replica (and the prompt's blocks).
+            replica = replica or route(self.replicas, request, block_size=self.scheduler.config.block_size,
+                                       max_num_seqs=self.config.max_num_seqs)
             try:
                 replica.scheduler.add_request(request)
             except ValueError:
-                self._finish_core([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
+                self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
                 raise
             self._replica_of[core_id] = replica
-            seq = _Sequence(i, core_id, IncrementalDetokenizer(self.tokenizer, token_ids, params),
-                            logprobs=[] if params.logprobs is not None else None,
-                            cumulative_logprob=0.0 if params.logprobs is not None else None)
-            state.seqs.append(seq)
-        self._requests[request_id] = state
-        for seq in state.seqs:
-            self._core_to_seq[seq.core_id] = (state, seq)
+            core_ids.append(core_id)
+        self.output_processor.add(request_id, text, token_ids, params, core_ids, arrival)
 
     def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
         """Engine-dependent limits of SamplingParams (the vocabulary, max_logprobs, banned-id slots)."""
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.config.max_logprobs}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids={params.stop_token_ids!r} has id {bad[0]} outside the vocabulary "
@@ -165,44 +133,26 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown or finished ids are ignored); returns their final outputs."""
-        outputs = []
+        outputs, now = [], time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
-            state = self._requests.get(request_id)
-            if state is None:
-                continue
-            for seq in state.seqs:
-                if seq.finish_reason is None:
-                    seq.finish_reason = "abort"
-            self._finish_core([s.core_id for s in state.seqs], RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._finish(state))
+            core_ids = self.output_processor.core_ids(request_id)
+            self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(request_id, now)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def abort_all(self) -> list[RequestOutput]:
-        return self.abort_request(list(self._requests))
+        return self.abort_request(self.output_processor.request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return len(self.output_processor) > 0
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.output_processor)
 
     # ---- one step --------------------------------------------------------------------
-
-    def _route(self, request: Request) -> Replica:
-        """The replica for a new request: the least loaded one, preferring one that holds its prefix.
-
-        Among replicas within `max_num_seqs // 4` requests of the least loaded, the one with
-        the longest cached prefix wins; ties go to the least loaded.
-        """
-        if len(self.replicas) == 1:
-            return self.replicas[0]
-        request.update_block_hashes(self.scheduler.config.block_size)   # what the prefix lookup reads
-        loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in self.replicas]
-        slack = max(1, self.config.max_num_seqs // 4)
-        candidates = [i for i, load in enumerate(loads) if load <= min(loads) + slack]
-        hits = {i: self.replicas[i].scheduler.kv.get_computed_blocks(request)[1] for i in candidates}
-        return self.replicas[max(candidates, key=lambda i: (hits[i], -loads[i]))]
 
     def _finish_core(self, core_ids: list[str], status: RequestStatus) -> None:
         for core_id in core_ids:
@@ -219,8 +169,8 @@ class LLMEngine:
                 before = request.num_computed_tokens - n        # schedule() already advanced it
                 self.num_prompt_tokens_total += max(0, min(n, request.num_prompt_tokens - before))
             for new in so.scheduled_new_reqs:
-                state, _ = self._core_to_seq[new.req_id]
-                if state.metrics.first_scheduled_time is None:
+                state = self.output_processor.request_of(new.req_id)
+                if state is not None and state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
         if self._channel is not None:
             self._channel.publish([so for _, so in plans])
@@ -229,18 +179,12 @@ class LLMEngine:
         core_outputs = []
         for replica, so, handle in launched:
             core_outputs += replica.scheduler.update_from_output(so, replica.runner.collect(handle))
-        now = time.monotonic()
-        changed: dict[str, _RequestState] = {}
         for co in core_outputs:
             if co.finished:
                 self._replica_of.pop(co.req_id, None)
-            entry = self._core_to_seq.get(co.req_id)
-            if entry is not None:
-                self._apply(entry[0], entry[1], co, now)
-                changed[entry[0].request_id] = entry[0]
-        outputs = []
-        for state in changed.values():
-            outputs.append(self._finish(state) if state.finished else self._output(state))
+            self.num_generation_tokens_total += len(co.new_token_ids)
+        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        self._finish_core(stopped, RequestStatus.FINISHED_STOPPED)   # stop strings end them here
         return outputs
 
     def follow(self) -> None:
@@ -256,50 +200,6 @@ class LLMEngine:
         if self._channel is not None and self.is_leader:
             self._channel.publish(STOP)
             self._channel = None
-
-    def _apply(self, state: _RequestState, seq: _Sequence, co: EngineCoreOutput, now: float) -> None:
-        m = state.metrics
-        if co.new_token_ids:
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            m.token_times.append(now)
-            self.num_generation_tokens_total += len(co.new_token_ids)
-        state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
-        seq.token_ids += co.new_token_ids
-        if seq.logprobs is not None:
-            for token_id, lp in zip(co.new_token_ids, co.new_logprobs):
-                seq.logprobs.append(logprobs_dict(token_id, lp))
-                seq.cumulative_logprob += lp.token_logprob
-        new_ids = co.new_token_ids
-        if co.finish_reason == "stop" and not state.params.include_stop_str_in_output:
-            new_ids = new_ids[:-1]   # EOS or a stop token id: its text is not part of the output (as vLLM)
-        stop = seq.detok.update(new_ids)
-        if co.finished and stop is None:
-            stop = seq.detok.flush()
-        if stop is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop
-            if not co.finished:
-                self._finish_core([seq.core_id], RequestStatus.FINISHED_STOPPED)
-        elif co.finished:
-            seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
-
-    def _output(self, state: _RequestState) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.detok.output_text(s.finish_reason is not None),
-                                 token_ids=list(s.token_ids), cumulative_logprob=s.cumulative_logprob,
-                                 logprobs=None if s.logprobs is None else list(s.logprobs),
-                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                for s in state.seqs]
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=outs, finished=state.finished,
-                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics)
-
-    def _finish(self, state: _RequestState) -> RequestOutput:
-        state.metrics.finished_time = time.monotonic()
-        self._requests.pop(state.request_id, None)
-        for seq in state.seqs:
-            self._core_to_seq.pop(seq.core_id, None)
-        return self._output(state)
 
     # ---- introspection ---------------------------------------------------------------
 

@@ -1,0 +1,223 @@
+"""From the scheduler's per-step token diffs to the RequestOutputs callers see.
+
+The OutputProcessor owns everything between EngineCoreOutput and RequestOutput, on the
+engine thread: incremental detokenization, stop strings (with min_tokens), logprob
+dicts, timing, and the parent/children of an `n > 1` request (n core requests that
+share the prompt). Each request's SamplingParams.output_kind says what its outputs
+carry:
+
+- CUMULATIVE: every sequence's whole text, tokens and logprobs so far, at every step;
+- DELTA: only what is new since the last output, and only the sequences with news; a
+  finished sequence is reported exactly once, in the step it finished;
+- FINAL_ONLY: one output per request, when its last sequence has finished.
+
+DELTA and FINAL_ONLY cost O(new tokens) per step; CUMULATIVE copies the lists (its
+callers may keep every output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from jaxserve.core import EngineCoreOutput, RequestOutputKind, SamplingParams
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One of a request's n completions, and how much of it was already handed out."""
+
+    index: int
+    core_id: str
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0       # DELTA: tokens (and logprobs) already in an output
+    sent_text: int = 0         # DELTA: characters already in an output
+    sent_finish: bool = False  # DELTA: the finish was reported
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    sent_prompt_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._by_core_id: dict[str, tuple[_RequestState, _Sequence]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            core_ids: list[str], arrival_time: float) -> None:
+        """Track a request whose n core requests (`core_ids`, in completion order) were scheduled."""
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, [], RequestMetrics(arrival_time),
+                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        for i, core_id in enumerate(core_ids):
+            seq = _Sequence(i, core_id, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                            logprobs=[] if params.logprobs is not None else None,
+                            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            state.seqs.append(seq)
+            self._by_core_id[core_id] = (state, seq)
+        self._requests[request_id] = state
+
+    def core_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        return [] if state is None else [s.core_id for s in state.seqs]
+
+    def request_of(self, core_id: str) -> _RequestState | None:
+        entry = self._by_core_id.get(core_id)
+        return None if entry is None else entry[0]
+
+    def process(self, core_outputs: Iterable[EngineCoreOutput], now: float) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's diffs. Returns (the outputs due, core ids that a stop string finished).
+
+        The caller must finish the returned core ids in the scheduler: they are done here.
+        """
+        changed: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for co in core_outputs:
+            entry = self._by_core_id.get(co.req_id)
+            if entry is None:
+                continue
+            state, seq = entry
+            if self._apply(state, seq, co, now):
+                stopped.append(seq.core_id)
+            changed[state.request_id] = state
+        outputs = []
+        for state in changed.values():
+            out = self._output(state)
+            if state.finished:
+                self._forget(state, now)
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped
+
+    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+        """Finish a request as aborted; returns its last output (None if unknown or nothing is due)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        out = self._output(state)
+        self._forget(state, now)
+        return out
+
+    def _forget(self, state: _RequestState, now: float) -> None:
+        state.metrics.finished_time = now
+        self._requests.pop(state.request_id, None)
+        for seq in state.seqs:
+            self._by_core_id.pop(seq.core_id, None)
+
+    # ---- one core output ---------------------------------------------------------------
+
+    def _apply(self, state: _RequestState, seq: _Sequence, co: EngineCoreOutput, now: float) -> bool:
+        """Fold one diff into the sequence; True if a stop string ended it (the scheduler does not know)."""
+        m = state.metrics
+        if co.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.token_times.append(now)
+        state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
+        if state.prompt_logprobs is not None and seq.index == 0 and co.new_prompt_logprobs:
+            prompt = state.prompt_token_ids
+            start = len(state.prompt_logprobs)
+            for i, lp in enumerate(co.new_prompt_logprobs, start):
+                state.prompt_logprobs.append(logprobs_dict(prompt[i], lp))
+        seq.token_ids += co.new_token_ids
+        if seq.logprobs is not None:
+            for token_id, lp in zip(co.new_token_ids, co.new_logprobs):
+                seq.logprobs.append(logprobs_dict(token_id, lp))
+                seq.cumulative_logprob += lp.token_logprob
+        new_ids = co.new_token_ids
+        if co.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]   # EOS or a stop token id: its text is not part of the output (as vLLM)
+        check_stop = len(seq.token_ids) > state.params.min_tokens
+        stop = seq.detok.update(new_ids, check_stop)
+        if co.finished and stop is None:
+            stop = seq.detok.flush(check_stop)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return not co.finished
+        if co.finished:
+            seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+        return False
+
+    # ---- outputs -----------------------------------------------------------------------
+
+    def _output(self, state: _RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            completions = [c for c in (self._delta(s) for s in state.seqs) if c is not None]
+            prompt_logprobs = None
+            if state.prompt_logprobs is not None:
+                prompt_logprobs = state.prompt_logprobs[state.sent_prompt_logprobs:]
+                state.sent_prompt_logprobs = len(state.prompt_logprobs)
+            if not completions and not prompt_logprobs:
+                return None
+        else:
+            completions = [self._whole(s) for s in state.seqs]
+            prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions,
+                             finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+                             metrics=state.metrics, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _whole(seq: _Sequence) -> CompletionOutput:
+        return CompletionOutput(index=seq.index, text=seq.detok.output_text(seq.finished),
+                                token_ids=list(seq.token_ids), cumulative_logprob=seq.cumulative_logprob,
+                                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+    @staticmethod
+    def _delta(seq: _Sequence) -> CompletionOutput | None:
+        """What is new in a sequence since its last output; None if nothing is."""
+        if seq.sent_finish:
+            return None
+        text = seq.detok.output_text(seq.finished)
+        new_text, new_tokens = text[seq.sent_text:], seq.token_ids[seq.sent_tokens:]
+        if not new_text and not new_tokens and not seq.finished:
+            return None
+        logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:]
+        seq.sent_text, seq.sent_tokens, seq.sent_finish = len(text), len(seq.token_ids), seq.finished
+        return CompletionOutput(index=seq.index, text=new_text, token_ids=new_tokens,
+                                cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
