@@ -192,6 +192,9 @@ class LLMEngine:
         if self._channel is None or self.is_leader:
             raise RuntimeError("follow() is for processes other than 0 of a multi-process engine")
         while (message := self._channel.receive()) != STOP:
+            if len(message) != len(self.replicas):
+                raise RuntimeError(f"the leader sent work for {len(message)} replicas; this process has "
+                                   f"{len(self.replicas)} (every process must use the same --data-parallel-size)")
             for replica, so in zip(self.replicas, message):
                 replica.runner.execute(so)
 
