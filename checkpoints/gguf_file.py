@@ -1,10 +1,12 @@
 """Loading a GGUF file (llama.cpp's format) as a Hugging Face-style `Checkpoint`.
 
-`convert_gguf` reads the file with the `gguf` package, dequantizes every tensor to
-float32, renames it to its Hugging Face name in torch layout, undoes llama.cpp's
-rotary permutation of the Llama Q/K projections, rebuilds config.json and the
-tokenizer from metadata, and writes an HF folder. `load_gguf` does that once per file
-into the model cache (checkpoints.cache) and then loads the folder.
+`convert_gguf` reads the file with the `gguf` package, keeps F32/F16/BF16 tensors in
+their own dtype (lossless) and dequantizes the others (Q8_0, Q4_K, ...) to float32,
+renames each to its Hugging Face name in torch layout, undoes llama.cpp's rotary
+permutation of the Llama Q/K projections, rebuilds config.json and the tokenizer from
+metadata, and writes an HF folder. The engine casts the weights to its compute dtype
+when it loads them, as for any HF checkpoint. `load_gguf` converts once per file into
+the model cache (checkpoints.cache) and then loads the folder.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], source: str) -> dict[
         "rope_scaling": None,
         "hidden_act": "silu",
         "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "torch_dtype": "float32",
+        "torch_dtype": _main_dtype(tensors),
     }
     if model_type == "llama":
         config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
@@ -153,23 +155,43 @@ def read_gguf_metadata(reader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def _dequantized_tensors(reader, arch: str, meta: dict, source: str) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def _main_dtype(tensors: dict[str, np.ndarray]) -> str:
+    """The dtype holding most of the weights (F16 files keep their norms in F32)."""
+    counts: dict[str, int] = {}
+    for array in tensors.values():
+        counts[array.dtype.name] = counts.get(array.dtype.name, 0) + array.size
+    return max(counts, key=counts.get)
+
+
+def _stored_array(t, source: str) -> np.ndarray:
+    """A GGUF tensor in torch layout: F32/F16/BF16 as they are, quantized types dequantized to float32."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF dims are (in, out); row-major reverses to (out, in)
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.ascontiguousarray(t.data).reshape(shape)  # the reader already typed these
+    if t.tensor_type == GGMLQuantizationType.BF16:  # the reader hands raw bytes
+        import ml_dtypes
+
+        return np.ascontiguousarray(t.data).reshape(-1).view(ml_dtypes.bfloat16).reshape(shape)
+    try:
+        array = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise CheckpointError(f"{source}: tensor {t.name}: {e}") from e
+    return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+
+
+def _converted_tensors(reader, arch: str, meta: dict, source: str) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     if f"{arch}.attention.head_count" not in meta:
         raise CheckpointError(f"{source}: metadata {arch}.attention.head_count is missing")
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     tensors, rope_freqs = {}, None
     for t in reader.tensors:
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise CheckpointError(f"{source}: tensor {t.name}: {e}") from e
-        # GGUF dims are (in, out); numpy's row-major order reverses them into torch's (out, in).
-        array = np.ascontiguousarray(array, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        array = _stored_array(t, source)
         if t.name == "rope_freqs.weight":
-            rope_freqs = array
+            rope_freqs = array.astype(np.float32)
             continue
         name = hf_tensor_name(t.name)
         if arch == "llama" and ".attn_q." in t.name:
@@ -181,7 +203,7 @@ def _dequantized_tensors(reader, arch: str, meta: dict, source: str) -> tuple[di
 
 
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
-    """Write the GGUF file at `path` as a Hugging Face model folder (float32 weights) into `out_dir`."""
+    """Write the GGUF file at `path` as a Hugging Face model folder into `out_dir` (dtypes: module docstring)."""
     import gguf
 
     source = str(path)
@@ -196,7 +218,7 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
             f"{source}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     tokenizer, tokenizer_config = build_tokenizer(meta, source)
-    tensors, rope_freqs = _dequantized_tensors(reader, arch, meta, source)
+    tensors, rope_freqs = _converted_tensors(reader, arch, meta, source)
     config = _config(meta, tensors, source)
     if rope_freqs is not None:
         config["rope_scaling"] = _llama3_rope_scaling(

@@ -121,11 +121,14 @@ def write_tiny_gguf(
     tokenizer_model="gpt2",
     pre="smollm",
     quantize=("mlp.up_proj",),
+    f16=(),
+    bf16=(),
     rope_freqs=None,
     chat_template=CHATML,
     rope_theta=10000.0,
 ):
-    """Write `weights` (HF layout) as a llama.cpp-style GGUF; names containing a `quantize` entry go Q8_0."""
+    """Write `weights` (HF layout) as a llama.cpp-style GGUF; names containing a `quantize` entry go Q8_0,
+    an `f16` entry F16, a `bf16` entry BF16, the rest F32."""
     import gguf
 
     hidden = weights["model.embed_tokens.weight"].shape[1]
@@ -161,6 +164,14 @@ def write_tiny_gguf(
                 gguf_name(name),
                 gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                 raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
+        elif any(q in name for q in f16):
+            writer.add_tensor(gguf_name(name), w.astype(np.float16))
+        elif any(q in name for q in bf16):
+            writer.add_tensor(
+                gguf_name(name),
+                gguf.quants.quantize(w, gguf.GGMLQuantizationType.BF16),
+                raw_dtype=gguf.GGMLQuantizationType.BF16,
             )
         else:
             writer.add_tensor(gguf_name(name), w)
