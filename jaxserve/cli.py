@@ -7,10 +7,12 @@ Engine flags mirror vLLM's names; each is a field of EngineConfig in snake_case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from jaxserve.protocol import RequestLimits
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +74,20 @@ def _follow(config: EngineConfig) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -91,19 +107,36 @@ def build_parser() -> argparse.ArgumentParser:
     s = serve.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
     s.add_argument("--max-num-queued-requests", type=int, default=None,
-                   help="refuse new requests with 503 beyond this many in flight")
+                   help="refuse new requests with 503 beyond this many sequences (n x prompts) in flight")
     s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
                    help="refuse larger request bodies with 413")
+    s.add_argument("--step-timeout-s", type=_positive_float, default=180.0,
+                   help="an engine step running longer than this marks the server unhealthy (/health 503), fails "
+                        "its in-flight requests and exits the process with status 1 (default: %(default)s)")
+    s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    lim = serve.add_argument_group("request limits (a request past one gets a 400)")
+    defaults = RequestLimits()
+    for field in dataclasses.fields(RequestLimits):
+        if field.name == "max_logprobs":
+            continue     # the engine's --max-logprobs
+        lim.add_argument(f"--{field.name.replace('_', '-')}", type=_positive_int,
+                         default=getattr(defaults, field.name), help="(default: %(default)s)")
     serve.set_defaults(func=_serve)
 
     batch = sub.add_parser("run-batch", help="run an OpenAI Batch file offline",
                            description="Run an OpenAI Batch file (JSONL: custom_id, method, url, body) through the "
-                                       "engine, continuously batched. Rerunning with the same output file skips "
-                                       "custom_ids already done.")
+                                       "engine, continuously batched, reading it as requests finish. Rerunning with "
+                                       "the same output file skips lines already answered there.")
     batch.add_argument("-i", "--input-file", required=True, help="input JSONL")
     batch.add_argument("-o", "--output-file", required=True, help="output JSONL (appended to)")
+    batch.add_argument("--max-in-flight", type=int, default=None,
+                       help="engine requests queued or running at once (default: 4x --max-num-seqs per "
+                            "data-parallel replica)")
+    batch.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar on stderr (default: when stderr is a terminal)")
     add_engine_args(batch)
     batch.set_defaults(func=_run_batch)
 
@@ -132,8 +165,11 @@ def _run_batch(args: argparse.Namespace) -> int:
 
     if args.process_id != 0:
         return _follow(engine_config(args))
+    if args.max_in_flight is not None and args.max_in_flight < 1:   # before the slow engine build
+        raise ValueError(f"--max-in-flight must be at least 1, got {args.max_in_flight}")
     engine = LLMEngine(engine_config(args))
-    summary = run_batch(engine, args.input_file, args.output_file, served_model_name=args.served_model_name)
+    summary = run_batch(engine, args.input_file, args.output_file, served_model_name=args.served_model_name,
+                        max_in_flight=args.max_in_flight, use_tqdm=args.progress)
     print(f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already done "
           f"-> {args.output_file}", file=sys.stderr)
     return 0
@@ -165,9 +201,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.process_id != 0:
         return _follow(engine_config(args))
+    limits = RequestLimits(max_logprobs=args.max_logprobs, **{
+        f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits) if f.name != "max_logprobs"})
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_num_queued_requests=args.max_num_queued_requests,
-                 max_request_body_bytes=args.max_request_body_bytes)
+                 max_request_body_bytes=args.max_request_body_bytes, limits=limits,
+                 step_timeout_s=args.step_timeout_s, enable_docs=args.enable_docs)
 
 
 def main(argv: list[str] | None = None) -> int:

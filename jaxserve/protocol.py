@@ -7,14 +7,57 @@ RequestOutputs are turned back into OpenAI JSON (whole responses and stream chun
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from jaxserve.core import SamplingParams
+from jaxserve.core import RequestOutputKind, SamplingParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask for; each is a `jaxserve serve` flag. Past a limit: a 400.
+
+    OpenAI's API is the anchor (a prompt list of at most 2,048 entries, at most 4 stop
+    sequences); the stop limits are more generous because vLLM users pass longer lists.
+    """
+
+    max_prompts_per_request: int = 2048      # entries of a completions prompt list
+    max_sequences_per_request: int = 2048    # n x prompts
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256         # a stop string's length holds back that much streamed text
+    max_stop_token_ids: int = 128
+    max_logprobs: int = 20                   # logprobs, top_logprobs and prompt_logprobs (the engine's --max-logprobs)
+
+    def check(self, req: "CompletionRequest | ChatCompletionRequest", num_prompts: int) -> None:
+        if num_prompts > self.max_prompts_per_request:
+            raise RequestError(f"the request has {num_prompts} prompts; at most {self.max_prompts_per_request} "
+                               "are allowed per request (--max-prompts-per-request)", param="prompt")
+        if num_prompts * req.n > self.max_sequences_per_request:
+            raise RequestError(f"the request asks for {num_prompts} prompts x n={req.n} = {num_prompts * req.n} "
+                               f"sequences; at most {self.max_sequences_per_request} are allowed per request "
+                               "(--max-sequences-per-request)", param="n")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stop) > self.max_stop_strings:
+            raise RequestError(f"stop has {len(stop)} strings; at most {self.max_stop_strings} are allowed "
+                               "(--max-stop-strings)", param="stop")
+        longest = max((len(x) for x in stop), default=0)
+        if longest > self.max_stop_string_chars:
+            raise RequestError(f"a stop string has {longest} characters; at most {self.max_stop_string_chars} are "
+                               "allowed (--max-stop-string-chars)", param="stop")
+        if len(req.stop_token_ids or ()) > self.max_stop_token_ids:
+            raise RequestError(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most "
+                               f"{self.max_stop_token_ids} are allowed (--max-stop-token-ids)", param="stop_token_ids")
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
+                raise RequestError(f"{name}={value} exceeds the server's limit of {self.max_logprobs} "
+                                   "(--max-logprobs)", param=name)
 
 
 class RequestError(ValueError):
@@ -58,6 +101,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None    # vLLM: logprobs of every prompt token (top-N each)
     # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
@@ -72,7 +116,8 @@ class _SamplingFields(BaseModel):
             raise RequestError(f"response_format {self.response_format.get('type')!r} is not supported; "
                                "only 'text'", param="response_format")
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -82,7 +127,11 @@ class _SamplingFields(BaseModel):
             return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                                   ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
                                   logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-                                  skip_special_tokens=self.skip_special_tokens, **kw)
+                                  skip_special_tokens=self.skip_special_tokens,
+                                  prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else
+                                  self.prompt_logprobs,
+                                  output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+                                  **kw)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
 
@@ -113,8 +162,12 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        # echo with logprobs returns an entry for every prompt token too (the first one null).
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        if echoed is not None and self.prompt_logprobs is not None:
+            echoed = max(echoed, self.prompt_logprobs)
         return self._sampling_params(_max_tokens(self.max_tokens, "max_tokens", prompt_len, max_model_len),
-                                     self.logprobs)
+                                     self.logprobs, echoed)
 
 
 class ChatMessage(BaseModel):
@@ -137,8 +190,24 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
+        if self.tools and self.tool_choice != "none":
+            raise RequestError(
+                "tool calling is not available on this server: the model's tool calls would not be parsed. "
+                "Send tool_choice='none' to render the tools into the prompt without parsing calls.",
+                param="tool_choice")
+        if self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+
+    def render(self, tokenizer) -> str:
+        """The prompt text the chat template renders (what /tokenize with these fields counts)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        try:
+            return tokenizer.apply_chat_template(self.chat_messages(), add_generation_prompt=self.add_generation_prompt,
+                                                 tools=self.tools, **kwargs)
+        except RequestError:
+            raise
+        except (ValueError, TypeError) as e:   # TypeError: chat_template_kwargs clashing with the template's
+            raise RequestError(str(e), param="messages") from e
 
     @field_validator("messages")
     @classmethod
@@ -191,6 +260,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body; errors name the offending parameter."""
     try:
         return model.model_validate(body)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
@@ -211,17 +282,33 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_logprobs(tokenizer, c: CompletionOutput, text_offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float] | None],
+                        text_offset: int = 0) -> dict:
+    """OpenAI completions logprobs of some tokens; a None entry (the first prompt token) stays null."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
-    for token_id, lps in zip(c.token_ids, c.logprobs or []):
+    for token_id, lps in zip(token_ids, logprobs):
         piece = tokenizer.decode([token_id], skip_special_tokens=False)
         tokens.append(piece)
-        token_lps.append(lps[token_id])
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
+        token_lps.append(None if lps is None else lps[token_id])
+        tops.append(None if lps is None else
+                    {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
+def prompt_logprobs_json(tokenizer, logprobs: list[dict[int, float] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, decoded_token}}."""
+    if logprobs is None:
+        return None
+    return [None if lps is None else
+            {str(t): {"logprob": lp, "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
+             for t, lp in lps.items()} for lps in logprobs]
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:
@@ -236,19 +323,29 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, floa
     return {"content": content}
 
 
+def echo_text(out: RequestOutput, tokenizer) -> str:
+    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+
 def completion_response(req: CompletionRequest, outputs: list[RequestOutput], model: str, tokenizer) -> dict:
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for i, out in enumerate(outputs):
         prompt_tokens += len(out.prompt_token_ids)
         cached += out.num_cached_tokens
+        prefix = echo_text(out, tokenizer) if req.echo else ""
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            prefix = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) \
-                if req.echo else ""
-            choices.append({
-                "index": i * req.n + c.index, "text": prefix + c.text,
-                "logprobs": completion_logprobs(tokenizer, c, len(prefix)) if req.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(tokenizer, c.token_ids, c.logprobs, len(prefix))
+                if req.echo:
+                    lp = join_logprobs(completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs),
+                                       lp)
+            choice = {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": lp,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs)
+            choices.append(choice)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
 
@@ -262,8 +359,12 @@ def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, to
             if req.logprobs else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)}
+    response = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices,
+                "usage": usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)}
+    if req.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs)
+    return response
 
 
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
@@ -271,23 +372,19 @@ ENDPOINTS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                          "/v1/chat/completions": ChatCompletionRequest}
 
 
-def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer,
-            max_model_len: int) -> list[tuple[dict, SamplingParams]]:
+def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model_len: int,
+            limits: RequestLimits = RequestLimits()) -> list[tuple[dict, SamplingParams]]:
     """Engine inputs of a validated request: one (prompt dict, params) per prompt."""
     req.check_unsupported()
     if isinstance(req, ChatCompletionRequest):
-        kwargs = dict(req.chat_template_kwargs or {})
-        try:
-            text = tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=req.add_generation_prompt,
-                                                 tools=req.tools, **kwargs)
-        except RequestError:
-            raise
-        except (ValueError, TypeError) as e:   # TypeError: chat_template_kwargs clashing with the template's
-            raise RequestError(str(e), param="messages") from e
+        limits.check(req, 1)
+        text = req.render(tokenizer)
         pairs = [(text, tokenizer.encode(text, add_special_tokens=False))]
     else:
+        prompts = req.prompts()
+        limits.check(req, len(prompts))      # before tokenizing any of them
         pairs = []
-        for p in req.prompts():
+        for p in prompts:
             if isinstance(p, str):
                 pairs.append((p, tokenizer.encode(p)))
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):

@@ -1,10 +1,10 @@
-"""The OpenAI-compatible HTTP app: `create_app(engine)` and `serve(config, ...)`.
+"""The OpenAI-compatible HTTP app: `create_app(engine)` (routes) and `serve(config, ...)` (the process).
 
 Handlers run on uvicorn's event loop and reach the engine only through AsyncEngine's
-public API (`generate`, `abort`, `is_healthy`, `stats`). Bodies are validated by
-jaxserve.protocol; every error leaves in OpenAI's JSON error shape with its status.
-Streaming responses are Server-Sent Events ending in `data: [DONE]`; a client that
-disconnects stops the stream, which aborts its request and frees its KV blocks.
+public API. Bodies are validated by jaxserve.protocol; every error leaves in OpenAI's
+JSON error shape with its status, and a 500 tells only a request id (the details are
+logged under it). Generation routes return an EngineResponse (server.streaming), which
+adds the requests when it starts and aborts them when the client leaves.
 """
 
 from __future__ import annotations
@@ -12,25 +12,76 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
+import threading
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from jaxserve.outputs import RequestOutput
-from jaxserve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_logprobs,
-                               chat_response, completion_logprobs, completion_response, new_id, parse,
-                               prepare, usage)
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, RequestLimits,
+                               chat_response, completion_response, parse, prepare)
 from server.limits import BodySizeLimit
 from server.metrics import ServerMetrics
+from server.middleware import ApiKeyAuth, RequestId
+from server.streaming import EngineResponse, chat_chunks, completion_chunks, finals, internal_error
 
 logger = logging.getLogger(__name__)
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    """Renders exactly what /v1/chat/completions renders for the same fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+
+
+def _body(model: type[BaseModel] | list[type[BaseModel]]) -> dict:
+    """OpenAPI request body of a route that parses its JSON itself (so that every error is ours)."""
+    models = model if isinstance(model, list) else [model]
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def error_response(e: RequestError) -> JSONResponse:
@@ -38,69 +89,59 @@ def error_response(e: RequestError) -> JSONResponse:
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_body_bytes: int = 8 * 2**20) -> FastAPI:
+               max_request_body_bytes: int = 8 * 2**20, limits: RequestLimits | None = None,
+               enable_docs: bool = False) -> FastAPI:
+    """The app; `enable_docs` serves /docs and /openapi.json (off by default, as they list every route)."""
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine, model_name)
+    limits = limits or RequestLimits(max_logprobs=engine.engine.config.max_logprobs)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         engine.shutdown()   # uvicorn has stopped accepting and drained (or timed out) in-flight work
 
-    app = FastAPI(title="jaxserve", lifespan=lifespan)
+    app = FastAPI(title="jaxserve", lifespan=lifespan, docs_url="/docs" if enable_docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if enable_docs else None)
+    # Outermost last: request id, then the API key, then the body size.
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(RequestId)
     app.state.engine, app.state.metrics = engine, metrics
-
-    @app.middleware("http")
-    async def auth_and_errors(request: Request, call_next):
-        path = request.url.path
-        if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(RequestError("invalid or missing API key", status=401,
-                                                   type="authentication_error"))
-        return await call_next(request)
-
-    async def body_of(request: Request, model):
-        req = parse(model, await _json(request))
-        if getattr(req, "model", None) not in (None, model_name):
-            raise RequestError(f"The model `{req.model}` does not exist.", status=404, param="model",
-                               type="NotFoundError")
-        return req
-
-    def check_engine() -> None:
-        if not engine.is_healthy:
-            raise RequestError(f"the engine is not running ({engine.dead_error!r})", status=503,
-                               type="service_unavailable")
-
-    async def run_all(items, req) -> list[RequestStream]:
-        """Admit every prompt of a request at once (they batch together); errors surface before streaming."""
-        results = await asyncio.gather(
-            *(engine.add_request(prompt, params, new_id("req"), priority=req.priority, cache_salt=req.cache_salt)
-              for prompt, params in items), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for r in results:
-                if isinstance(r, RequestStream):
-                    r.close()
-            if isinstance(errors[0], (ValueError, QueueFullError, EngineDeadError)):
-                raise _as_request_error(errors[0]) from errors[0]
-            raise errors[0]
-        return results
-
-    async def prepared(req):
-        # Chat templates and tokenization of long prompts run off the event loop.
-        return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len)
 
     @app.exception_handler(RequestError)
     async def _request_error(request, e: RequestError):
         return error_response(e)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request, e: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(RequestError(f"internal error: {e!r}", status=500, type="internal_error"))
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return error_response(RequestError(str(e.detail), status=e.status_code,
+                                           type="not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return error_response(internal_error(e, request.scope.get("state", {}).get("request_id")))
+
+    def parsed(body: dict, model):
+        req = parse(model, body)
+        if req.model not in (None, model_name):
+            raise RequestError(f"The model `{req.model}` does not exist.", status=404, param="model",
+                               type="NotFoundError")
+        return req
+
+    async def body_of(request: Request, model):
+        return parsed(await _json(request), model)
+
+    def check_engine() -> None:
+        if not engine.is_healthy:
+            raise RequestError("the engine is not running", status=503, type="service_unavailable")
+
+    async def prepared(req):
+        # Chat templates and tokenization of long prompts run off the event loop.
+        return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len, limits)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
         if engine.is_healthy:
             return Response(status_code=200)
@@ -110,245 +151,138 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERRORS)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "jaxserve", "root": engine.model_name,
                                             "max_model_len": engine.max_model_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_ERRORS, openapi_extra=_body([TokenizeCompletionRequest, TokenizeChatRequest]))
     async def tokenize(request: Request):
         body = await _json(request)
         tok = engine.tokenizer
         if "messages" in body:
-            try:
-                text = tok.apply_chat_template(body["messages"],
-                                               add_generation_prompt=body.get("add_generation_prompt", True))
-            except ValueError as e:
-                raise RequestError(str(e), param="messages") from e
-            ids = tok.encode(text, add_special_tokens=False)
-        elif isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+            t = parsed(body, TokenizeChatRequest)
+            chat = ChatCompletionRequest(messages=t.messages, add_generation_prompt=t.add_generation_prompt,
+                                         chat_template_kwargs=t.chat_template_kwargs, tools=t.tools,
+                                         tool_choice="none" if t.tools else None)
+            text = await asyncio.to_thread(chat.render, tok)
+            ids = tok.encode(text, add_special_tokens=False)      # as the chat route encodes it
         else:
-            raise RequestError("give 'prompt' (a string) or 'messages'", param="prompt")
+            t = parsed(body, TokenizeCompletionRequest)
+            ids = tok.encode(t.prompt, add_special_tokens=t.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_ERRORS, openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        body = await _json(request)
-        ids = body.get("tokens")
+        req = await body_of(request, DetokenizeRequest)
         vocab = engine.engine.model_config.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not all(0 <= t < vocab for t in req.tokens):
             raise RequestError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(ids)}
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    async def admit(request: Request, model):
-        """Validate the body, then queue every prompt of it on the engine."""
+    async def generation(request: Request, model, respond_stream, respond_final):
         req = await body_of(request, model)
         check_engine()
         items = await prepared(req)
-        return req, items, await run_all(items, req)
+        produce = respond_stream(req) if req.stream else respond_final(req)
+        return EngineResponse(engine, items, produce, stream=req.stream, priority=req.priority,
+                              cache_salt=req.cache_salt)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_ERRORS, openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):
-        req, items, streams = await admit(request, CompletionRequest)
-        if req.stream:
-            return _sse(_completion_chunks(req, items, streams, model_name, engine.tokenizer, metrics))
-        outputs = await _finals(request, streams, metrics)
-        return completion_response(req, outputs, model_name, engine.tokenizer)
+        def stream(req):
+            return lambda streams: completion_chunks(req, streams, model_name, engine.tokenizer, metrics)
 
-    @app.post("/v1/chat/completions")
+        def final(req):
+            async def produce(streams):
+                return completion_response(req, await finals(streams, metrics), model_name, engine.tokenizer)
+            return produce
+        return await generation(request, CompletionRequest, stream, final)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req, _, streams = await admit(request, ChatCompletionRequest)
-        if req.stream:
-            return _sse(_chat_chunks(req, streams[0], model_name, engine.tokenizer, metrics))
-        (output,) = await _finals(request, streams, metrics)
-        return chat_response(req, output, model_name, engine.tokenizer)
+        def stream(req):
+            return lambda streams: chat_chunks(req, streams, model_name, engine.tokenizer, metrics)
 
+        def final(req):
+            async def produce(streams):
+                (output,) = await finals(streams, metrics)
+                return chat_response(req, output, model_name, engine.tokenizer)
+            return produce
+        return await generation(request, ChatCompletionRequest, stream, final)
+
+    if enable_docs:
+        _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                               TokenizeChatRequest, DetokenizeRequest])
     return app
+
+
+def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Put the request models (and the models they use) into the OpenAPI components."""
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="1", routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in models:
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[m.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
 
 
 async def _json(request: Request) -> dict:
     try:
-        body = await request.json()
+        body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from e
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body
 
 
-def _as_request_error(e: Exception) -> RequestError:
-    if isinstance(e, (QueueFullError, EngineDeadError)):
-        return RequestError(str(e), status=503, type="service_unavailable")
-    return RequestError(str(e))
-
-
-async def _finals(request: Request, streams, metrics: ServerMetrics) -> list[RequestOutput]:
-    """The final output of each stream; a client that goes away aborts them all."""
-    async def last(stream):
-        out = None
-        async for out in stream:
-            pass
-        metrics.observe(out.metrics)
-        return out
-    gathered = asyncio.gather(*(last(s) for s in streams))
-    try:
-        while True:
-            done, _ = await asyncio.wait({gathered}, timeout=0.5)
-            if done:
-                return gathered.result()
-            if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
-    except (EngineDeadError, QueueFullError, ValueError) as e:
-        raise _as_request_error(e) from e
-    finally:
-        if not gathered.done():
-            gathered.cancel()
-        for s in streams:
-            s.close()
-
-
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body():
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except (EngineDeadError, ValueError) as e:
-            err = _as_request_error(e)
-            yield f"data: {json.dumps(err.to_dict())}\n\n"
-        yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as they produce: (stream index, output)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, s):
-        try:
-            async for out in s:
-                await queue.put((i, out, None))
-        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, None, e))
-            return
-        await queue.put((i, None, None))
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if out is None:
-                remaining -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            s.close()
-
-
-async def _completion_chunks(req: CompletionRequest, items, streams, model: str, tokenizer,
-                             metrics: ServerMetrics) -> AsyncIterator[dict]:
-    cid, created = new_id("cmpl"), int(time.time())
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    totals = {"prompt": 0, "completion": 0, "cached": 0}
-    seen_prompt = set()
-
-    def chunk(choices, usage_=None):
-        c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if req.stream_options and req.stream_options.include_usage:
-            c["usage"] = usage_
-        return c
-
-    async for i, out in _merge(streams):
-        if i not in seen_prompt:
-            seen_prompt.add(i)
-            totals["prompt"] += len(out.prompt_token_ids)
-        for c in out.outputs:
-            index = i * req.n + c.index
-            start, ntok = sent_text.get(index), sent_tokens.get(index, 0)
-            prefix = ""
-            if start is None:
-                start = 0
-                if req.echo:
-                    prefix = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
-            delta = prefix + c.text[start:]
-            new_tokens = c.token_ids[ntok:]
-            if not delta and not new_tokens and c.finish_reason is None:
-                continue
-            sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-            lp = None
-            if req.logprobs is not None:
-                part = type(c)(index=c.index, text="", token_ids=new_tokens,
-                               logprobs=(c.logprobs or [])[ntok:])
-                lp = completion_logprobs(tokenizer, part)
-            if c.finish_reason is not None:
-                totals["completion"] += len(c.token_ids)
-            yield chunk([{"index": index, "text": delta, "logprobs": lp, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason}])
-        if out.finished:
-            totals["cached"] += out.num_cached_tokens
-            metrics.observe(out.metrics)
-    if req.stream_options and req.stream_options.include_usage:
-        yield chunk([], usage(totals["prompt"], totals["completion"], totals["cached"]))
-
-
-async def _chat_chunks(req: ChatCompletionRequest, stream, model: str, tokenizer,
-                       metrics: ServerMetrics) -> AsyncIterator[dict]:
-    cid, created = new_id("chatcmpl"), int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def chunk(choices, usage_=None):
-        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-        if include_usage:
-            c["usage"] = usage_
-        return c
-
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    last = None
-    try:
-        for index in range(req.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        async for out in stream:
-            last = out
-            for c in out.outputs:
-                start, ntok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta, new_tokens = c.text[start:], c.token_ids[ntok:]
-                if not delta and not new_tokens and c.finish_reason is None:
-                    continue
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                lp = chat_logprobs(tokenizer, new_tokens, (c.logprobs or [])[ntok:], req.top_logprobs or 0) \
-                    if req.logprobs else None
-                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-    finally:
-        stream.close()   # a client that went away aborts the request
-    if last is not None:
-        metrics.observe(last.metrics)
-        if include_usage:
-            completion = sum(len(c.token_ids) for c in last.outputs)
-            yield chunk([], usage(len(last.prompt_token_ids), completion, last.num_cached_tokens))
-
-
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_num_queued_requests: int | None = None, max_request_body_bytes: int = 8 * 2**20) -> int:
+          max_num_queued_requests: int | None = None, max_request_body_bytes: int = 8 * 2**20,
+          limits: RequestLimits | None = None, step_timeout_s: float | None = 180.0,
+          enable_docs: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (exit 1).
+
+    When the engine dies (a step raised, or ran past `step_timeout_s`) its in-flight
+    requests get an error, the server drains them and the process exits 1, so that a
+    supervisor restarts it.
+    """
     import uvicorn
 
-    engine = AsyncEngine.from_config(config, max_num_queued_requests=max_num_queued_requests)
+    server: uvicorn.Server | None = None
+    failed = threading.Event()
+
+    def on_dead(error: BaseException) -> None:
+        logger.error("the engine died (%s); shutting the server down", error)
+        failed.set()
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine.from_config(config, max_num_queued_requests=max_num_queued_requests,
+                                     step_timeout_s=step_timeout_s, on_dead=on_dead)
     app = create_app(engine, served_model_name=config.served_model_name, api_key=api_key,
-                     max_request_body_bytes=max_request_body_bytes)
+                     max_request_body_bytes=max_request_body_bytes, limits=limits, enable_docs=enable_docs)
     logger.info("serving %s on http://%s:%d", config.served_model_name or engine.model_name, host, port)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=30))
     # uvicorn handles SIGTERM (stop accepting, drain in-flight requests up to the timeout, run the
     # lifespan shutdown that stops the engine), then re-raises it to the handler that was there
     # before; a no-op one lets the process exit 0 after that clean shutdown.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    if failed.is_set():
+        return 1
+    server.run()
+    if failed.is_set():
+        if engine.loop_alive:   # a hung step: its thread can never be joined
+            logging.shutdown()
+            os._exit(1)
+        return 1
     return 0

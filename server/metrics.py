@@ -21,6 +21,8 @@ _GAUGES = {
     "kv_cache_free_blocks": ("kv_free_blocks", "KV blocks free (cached-but-unused blocks count as free)"),
     "kv_cache_total_blocks": ("kv_total_blocks", "KV blocks in the pool (the null block excluded)"),
     "compiles_after_warmup": ("compiles_after_warmup", "XLA compiles of the step after warm-up (should stay 0)"),
+    "num_requests_in_flight": ("num_in_flight", "Requests a client is waiting for"),
+    "num_requests_unfinished": ("num_unfinished", "Requests the engine tracks (running, waiting or being aborted)"),
 }
 _COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),

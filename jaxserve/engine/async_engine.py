@@ -87,8 +87,18 @@ class AsyncEngine:
         with self._lock:
             return self._num_seqs
 
+    @property
+    def loop_alive(self) -> bool:
+        """The engine thread is still running (after a step timeout: stuck in that step)."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        """The engine's stats, plus the requests someone waits for (`num_in_flight`) and the
+        requests the engine tracks (`num_unfinished`): both 0 once every client is gone."""
+        with self._lock:
+            in_flight = len(self._streams)
+        return {**self.engine.stats(), "num_in_flight": in_flight,
+                "num_unfinished": self.engine.num_unfinished_requests}
 
     # ---- requests --------------------------------------------------------------------
 

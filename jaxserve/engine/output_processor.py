@@ -40,6 +40,7 @@ class _Sequence:
     sent_tokens: int = 0       # DELTA: tokens (and logprobs) already in an output
     sent_text: int = 0         # DELTA: characters already in an output
     sent_finish: bool = False  # DELTA: the finish was reported
+    num_prompt_logprobs: int = 0   # prompt positions this sequence's core request has reported
 
     @property
     def finished(self) -> bool:
@@ -153,11 +154,13 @@ class OutputProcessor:
             m.last_token_time = now
             m.token_times.append(now)
         state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
-        if state.prompt_logprobs is not None and seq.index == 0 and co.new_prompt_logprobs:
+        if state.prompt_logprobs is not None and co.new_prompt_logprobs:
+            # Each of the n siblings computes the prompt; the first to reach a position provides it.
             prompt = state.prompt_token_ids
-            start = len(state.prompt_logprobs)
-            for i, lp in enumerate(co.new_prompt_logprobs, start):
-                state.prompt_logprobs.append(logprobs_dict(prompt[i], lp))
+            for i, lp in enumerate(co.new_prompt_logprobs, seq.num_prompt_logprobs + 1):
+                if i == len(state.prompt_logprobs):
+                    state.prompt_logprobs.append(logprobs_dict(prompt[i], lp))
+            seq.num_prompt_logprobs += len(co.new_prompt_logprobs)
         seq.token_ids += co.new_token_ids
         if seq.logprobs is not None:
             for token_id, lp in zip(co.new_token_ids, co.new_logprobs):

@@ -1,0 +1,276 @@
+"""Responses that own their engine requests: added when the response starts, aborted when
+the client leaves, forwarded as OpenAI JSON or Server-Sent Events.
+
+`EngineResponse` is an ASGI response. Its requests are added to the engine only once the
+server starts sending it (a client gone before that adds nothing), and a task watching
+for the client's disconnect cancels the work at any point (before the headers, while
+waiting for a non-streaming result, mid-stream), which closes every stream and so aborts
+its request and frees its KV blocks. An error before the headers is an ordinary JSON
+error response; after them, a stream ends with an error event, and every stream ends
+with `data: [DONE]`.
+
+The chunk generators only forward the engine's DELTA outputs (each finished choice
+arrives once) and keep the running counts that usage, `text_offset` and echo need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.responses import Response
+
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from jaxserve.outputs import RequestOutput
+from jaxserve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_logprobs,
+                               completion_logprobs, echo_text, join_logprobs, new_id, prompt_logprobs_json, usage)
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+Produce = Callable[[list[RequestStream]], Awaitable[dict]]
+ProduceChunks = Callable[[list[RequestStream]], AsyncIterator[dict]]
+
+
+def as_request_error(e: BaseException) -> RequestError:
+    """The client-facing error of an engine failure; anything unexpected is an internal error."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, (QueueFullError, EngineDeadError)):
+        return RequestError(str(e), status=503, type="service_unavailable")
+    if isinstance(e, ValueError):
+        return RequestError(str(e))
+    return internal_error(e)
+
+
+def internal_error(e: BaseException, request_id: str | None = None) -> RequestError:
+    """A 500 that tells the client only an id; the details go to the log under that id."""
+    request_id = request_id or new_id("err")
+    logger.error("internal error (request %s)", request_id, exc_info=e)
+    return RequestError(f"internal error (request id {request_id})", status=500, type="internal_error")
+
+
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode()
+
+
+class EngineResponse(Response):
+    """Adds `items` (prompt, params) to the engine when sent; `produce` turns their streams into the body.
+
+    With `stream=True`, `produce` is an async generator of chunks sent as Server-Sent Events;
+    otherwise an awaitable of one JSON object.
+    """
+
+    def __init__(self, engine: AsyncEngine, items: list[tuple[dict, object]], produce: Produce | ProduceChunks, *,
+                 stream: bool, priority: int = 0, cache_salt: str | None = None) -> None:
+        super().__init__(status_code=200)
+        self.engine, self.items, self.produce, self.stream = engine, items, produce, stream
+        self.priority, self.cache_salt = priority, cache_salt
+        self.streams: list[RequestStream] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
+            for s in self.streams:      # whatever happened: nothing stays in the engine
+                s.close()
+        if work.done() and not work.cancelled() and work.exception() is not None:
+            raise work.exception()      # before the headers: the app's error handlers answer
+
+    async def _admit(self) -> list[RequestStream]:
+        """Add every prompt (they batch together); returns their streams in prompt order.
+
+        Every accepted stream is in self.streams at once, so that cancelling or failing
+        the rest still closes it.
+        """
+        async def add(prompt, params):
+            stream = await self.engine.add_request(prompt, params, new_id("req"), priority=self.priority,
+                                                   cache_salt=self.cache_salt)
+            self.streams.append(stream)
+            return stream
+        results = await asyncio.gather(*(add(p, params) for p, params in self.items), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise as_request_error(r) from r
+        return results
+
+    async def _run(self, send) -> None:
+        streams = await self._admit()
+        if not self.stream:
+            body = json_bytes(await self.produce(streams))
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        try:
+            async for chunk in self.produce(streams):
+                await send({"type": "http.response.body", "body": b"data: " + json_bytes(chunk) + b"\n\n",
+                            "more_body": True})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every stream ends with an error event and [DONE]
+            err = as_request_error(e)
+            await send({"type": "http.response.body", "body": b"data: " + json_bytes(err.to_dict()) + b"\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- non-streaming ---------------------------------------------------------------------
+
+
+async def finals(streams: list[RequestStream], metrics: ServerMetrics) -> list[RequestOutput]:
+    """The one FINAL_ONLY output of each stream, in order."""
+    async def last(stream):
+        out = None
+        async for out in stream:
+            pass
+        metrics.observe(out.metrics)
+        return out
+    return list(await asyncio.gather(*(last(s) for s in streams)))
+
+
+# ---- streaming -------------------------------------------------------------------------
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as they produce: (stream index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out, None))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, None, e))
+            return
+        await queue.put((i, None, None))
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Usage:
+    """Running token counts of a streamed response."""
+
+    def __init__(self) -> None:
+        self.prompt, self.completion, self.cached = 0, 0, 0
+
+    def json(self) -> dict:
+        return usage(self.prompt, self.completion, self.cached)
+
+
+def _usage_flags(req) -> tuple[bool, bool]:
+    opts = req.stream_options
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
+async def completion_chunks(req: CompletionRequest, streams: list[RequestStream], model: str, tokenizer,
+                            metrics: ServerMetrics) -> AsyncIterator[dict]:
+    cid, created = new_id("cmpl"), int(time.time())
+    include_usage, continuous = _usage_flags(req)
+    counts = _Usage()
+    offsets: dict[int, int] = {}                          # choice index -> text_offset of its next token
+    pending_prompt_lps: dict[int, list] = {}              # prompt index -> prompt logprobs not yet echoed
+
+    def chunk(choices):
+        c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if continuous:
+            c["usage"] = counts.json()
+        return c
+
+    async for i, out in merge(streams):
+        if i not in pending_prompt_lps:
+            pending_prompt_lps[i] = []
+            counts.prompt += len(out.prompt_token_ids)
+        if out.prompt_logprobs:
+            pending_prompt_lps[i] += out.prompt_logprobs
+        for c in out.outputs:
+            index = i * req.n + c.index
+            counts.completion += len(c.token_ids)
+            prefix, lp, first = "", None, index not in offsets
+            if first:
+                offsets[index] = 0
+                if req.echo:
+                    prefix = echo_text(out, tokenizer)
+                    if req.logprobs is not None:
+                        lp = completion_logprobs(tokenizer, out.prompt_token_ids, pending_prompt_lps[i])
+                    offsets[index] = len(prefix)
+            if req.logprobs is not None:
+                new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, offsets[index])
+                lp = new if lp is None else join_logprobs(lp, new)
+            offsets[index] += len(c.text)
+            choice = {"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if first and req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i])
+            yield chunk([choice])
+        if out.finished:
+            counts.cached += out.num_cached_tokens
+            metrics.observe(out.metrics)
+    if include_usage:
+        yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": counts.json()}
+
+
+async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], model: str, tokenizer,
+                      metrics: ServerMetrics) -> AsyncIterator[dict]:
+    (stream,) = streams
+    cid, created = new_id("chatcmpl"), int(time.time())
+    include_usage, continuous = _usage_flags(req)
+    counts = _Usage()
+
+    def chunk(choices):
+        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        if continuous:
+            c["usage"] = counts.json()
+        return c
+
+    for index in range(req.n):
+        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    async for out in stream:
+        counts.prompt = len(out.prompt_token_ids)
+        for c in out.outputs:
+            counts.completion += len(c.token_ids)
+            lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if out.finished:
+            counts.cached = out.num_cached_tokens
+            metrics.observe(out.metrics)
+    if include_usage:
+        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": counts.json()}
