@@ -13,6 +13,7 @@ import sys
 
 from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from jaxserve.protocol import RequestLimits
+from jaxserve.tool_parsers import TOOL_PARSERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an engine step running longer than this marks the server unhealthy (/health 503), fails "
                         "its in-flight requests and exits the process with status 1 (default: %(default)s)")
     s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the model's tool calls in chat requests with tools (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool call format (hermes: <tool_call>{json}</tool_call>, e.g. Qwen, Hermes)")
     lim = serve.add_argument_group("request limits (a request past one gets a 400)")
     defaults = RequestLimits()
     for field in dataclasses.fields(RequestLimits):
@@ -199,6 +205,12 @@ def _convert(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from server.app import serve
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"(one of: {', '.join(sorted(TOOL_PARSERS))})")
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        logging.getLogger(__name__).warning("--tool-call-parser does nothing without --enable-auto-tool-choice: "
+                                            "requests with tools and tool_choice 'auto' will get a 400")
     if args.process_id != 0:
         return _follow(engine_config(args))
     limits = RequestLimits(max_logprobs=args.max_logprobs, **{
@@ -206,7 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  max_num_queued_requests=args.max_num_queued_requests,
                  max_request_body_bytes=args.max_request_body_bytes, limits=limits,
-                 step_timeout_s=args.step_timeout_s, enable_docs=args.enable_docs)
+                 step_timeout_s=args.step_timeout_s, enable_docs=args.enable_docs,
+                 tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,7 +111,7 @@ class AsyncEngine:
         or `aclose()` it (which aborts the request).
         """
         if not self.is_healthy:
-            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+            raise self._dead_error()
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -128,7 +128,7 @@ class AsyncEngine:
             self._num_seqs += params.n
         self._commands.put(("add", request_id, prompt, params, kwargs, loop, accepted))
         if self._error is not None and not accepted.done():  # died after the check above
-            accepted.set_exception(EngineDeadError(f"the engine is not running: {self._error!r}"))
+            accepted.set_exception(self._dead_error())
         try:
             await accepted
         except BaseException:
@@ -189,6 +189,13 @@ class AsyncEngine:
             self._error = self._error or EngineDeadError("the engine was shut down")
         engine.abort_all()
         self._fail_all(self._error)
+
+    def _dead_error(self) -> EngineDeadError:
+        error = self._error
+        if isinstance(error, EngineDeadError):
+            return EngineDeadError(f"the engine is not running: {error}")
+        return EngineDeadError("the engine is not running: " + str(_step_failed(error)) if error else
+                               "the engine is not running")
 
     def _die(self, error: BaseException) -> None:
         """Record the engine's fatal error (the first one wins), fail every consumer, tell on_dead."""
@@ -255,7 +262,7 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             ids = list(self._streams)
-        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine step failed: {error!r}")
+        dead = error if isinstance(error, EngineDeadError) else _step_failed(error)
         dead.__cause__ = None if error is dead else error
         for request_id in ids:
             self._deliver(request_id, dead)
@@ -267,6 +274,11 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 _resolve(cmd[5], cmd[6], dead)
+
+
+def _step_failed(error: BaseException) -> EngineDeadError:
+    # What clients see: the error's type only; its message and traceback are in the server log.
+    return EngineDeadError(f"the engine step failed ({type(error).__name__}; details in the server log)")
 
 
 class QueueFullError(RuntimeError):

@@ -1,6 +1,10 @@
-"""`jaxserve run-batch`: good and bad lines, resume after an interruption, the CLI."""
+"""`jaxserve run-batch`: good and bad lines, the in-flight bound and lazy reading, resume after an
+interruption, error lines written once, the progress bar, the CLI."""
 
 import json
+import os
+import threading
+import time
 
 import pytest
 
@@ -30,10 +34,41 @@ BAD = [
     line("toolong", prompt="x", max_tokens=500),
     line("unknownfield", prompt="x", frobnicate=1),
 ]
+# Lines with no usable custom_id: each gets one error line, keyed by its line number and content.
+UNIDENTIFIED = {
+    "invalid_json": "{broken",
+    "invalid_line": "[1, 2]",
+    "missing_custom_id": json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+    "invalid_custom_id": line(7, prompt="x", max_tokens=1),
+    "duplicate_custom_id": line("c1", prompt="again", max_tokens=1),
+}
 
 
 def read(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def many(n, prompts_every=7):
+    """n greedy lines of varied lengths; every `prompts_every`-th has three prompts (three engine requests)."""
+    out = []
+    for i in range(n):
+        prompt = [f"p{i} a", f"p{i} b", f"p{i} c"] if i % prompts_every == 3 else f"request number {i}"
+        out.append(line(f"r{i}", prompt=prompt, max_tokens=1 + i % 5, temperature=0, ignore_eos=True))
+    return out
+
+
+def answers(path):
+    """custom_id (or line key) -> the row without its random ids and timestamps; fails on a duplicate."""
+    by_key = {}
+    for row in read(path):
+        key = row["error"]["line_key"] if row["error"] else row["custom_id"]
+        assert key not in by_key, f"two rows for {key}"
+        row = {**row, "id": None}
+        if row["response"]:
+            body = {k: v for k, v in row["response"]["body"].items() if k not in ("id", "created")}
+            row["response"] = {**row["response"], "request_id": None, "body": body}
+        by_key[key] = row
+    return by_key
 
 
 def test_one_output_line_per_input_line(engine, tmp_path):
@@ -48,13 +83,69 @@ def test_one_output_line_per_input_line(engine, tmp_path):
     assert len(by_id["c2"]["response"]["body"]["choices"]) == 2
     assert by_id["c2"]["response"]["body"]["usage"]["completion_tokens"] == 6
     assert by_id["chat1"]["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
-    assert by_id[None]["error"]["code"] == "invalid_json"
+    assert by_id[None]["error"]["code"] == "invalid_json" and by_id[None]["error"]["line"] == 3
     for cid, param in [("badurl", "url"), ("badtemp", "temperature"), ("toolong", "max_tokens"),
                        ("unknownfield", "frobnicate")]:
         err = by_id[cid]["response"]["body"]["error"]
         assert by_id[cid]["response"]["status_code"] == 400 and err["param"] == param, (cid, err)
     assert by_id["badmodel"]["response"]["status_code"] == 404
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("bound", [1, 4])
+def test_in_flight_bound_holds_and_rows_match_the_unbounded_run(engine, tmp_path, monkeypatch, bound):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(many(40)) + "\n")
+    unbounded = tmp_path / "unbounded.jsonl"
+    run_batch(engine, src, unbounded, max_in_flight=1000, use_tqdm=False)
+
+    added, stepped = [], []   # engine requests unfinished after each add, and at each step
+    real_add, real_step = engine.add_request, engine.step
+
+    def add_request(*args, **kwargs):
+        real_add(*args, **kwargs)
+        added.append(engine.num_unfinished_requests)
+
+    def step():
+        stepped.append(engine.num_unfinished_requests)
+        return real_step()
+    monkeypatch.setattr(engine, "add_request", add_request)
+    monkeypatch.setattr(engine, "step", step)
+    bounded = tmp_path / "bounded.jsonl"
+    summary = run_batch(engine, src, bounded, max_in_flight=bound, use_tqdm=False)
+    monkeypatch.undo()
+    # A three-prompt line (three engine requests) runs alone when the bound is smaller than that.
+    assert max(added) == max(stepped) == max(bound, 3)
+    assert all(n <= bound or n == 3 for n in stepped) and len(stepped) > 40 // bound
+    assert (summary.succeeded, summary.failed) == (40, 0)
+    assert answers(bounded) == answers(unbounded)
+    assert not engine.has_unfinished_requests()
+
+
+def test_results_are_written_before_the_input_ends(engine, tmp_path):
+    # A FIFO: lines past the first bound + 2 do not exist until a result is written, so a reader
+    # that read (or counted) the whole input first would wait here, and the writer would give up.
+    src, dst = tmp_path / "in.fifo", tmp_path / "out.jsonl"
+    os.mkfifo(src)
+    lines, bound = many(12, prompts_every=1000), 2
+    saw_a_result = threading.Event()
+
+    def feed():
+        with open(src, "w") as f:
+            f.write("\n".join(lines[:bound + 2]) + "\n")
+            f.flush()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (dst.exists() and dst.read_text().count("\n")):
+                time.sleep(0.01)
+            if dst.exists() and dst.read_text().count("\n"):
+                saw_a_result.set()
+            f.write("\n".join(lines[bound + 2:]) + "\n")
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    summary = run_batch(engine, src, dst, max_in_flight=bound, use_tqdm=True)   # no total: a pipe
+    writer.join(timeout=10)
+    assert saw_a_result.is_set()
+    assert summary.succeeded == 12 and len(read(dst)) == 12
 
 
 def test_interrupted_run_resumes_without_duplicates(engine, tmp_path, monkeypatch):
@@ -70,17 +161,88 @@ def test_interrupted_run_resumes_without_duplicates(engine, tmp_path, monkeypatc
         return real_step()
     monkeypatch.setattr(engine, "step", flaky_step)
     with pytest.raises(KeyboardInterrupt):
-        run_batch(engine, src, dst, use_tqdm=False)
+        run_batch(engine, src, dst, max_in_flight=3, use_tqdm=False)
     monkeypatch.undo()
     first = read(dst)
-    assert 0 < len(first) < 9 and not engine.has_unfinished_requests()
+    assert 0 < len(first) < 8 and not engine.has_unfinished_requests()
     with open(dst, "a") as f:
         f.write('{"id": "torn')          # a write cut off mid-line
-    summary = run_batch(engine, src, dst, use_tqdm=False)
+    summary = run_batch(engine, src, dst, max_in_flight=3, use_tqdm=False)
     rows = read(dst)
     ids = [r["custom_id"] for r in rows if r["custom_id"] is not None]
     assert sorted(ids) == [f"r{i}" for i in range(8)] and len(rows) == 9
     assert summary.skipped == len(first)
+
+
+def test_resume_from_a_partial_output_file(engine, tmp_path):
+    src, full, partial = tmp_path / "in.jsonl", tmp_path / "full.jsonl", tmp_path / "partial.jsonl"
+    src.write_text("\n".join(many(20) + [UNIDENTIFIED["missing_custom_id"]]) + "\n")
+    run_batch(engine, src, full, use_tqdm=False)
+    kept = full.read_text().splitlines()[::2]             # every other row, the error row among them or not
+    partial.write_text("\n".join(kept) + "\n")
+    summary = run_batch(engine, src, partial, max_in_flight=3, use_tqdm=False)
+    assert summary.skipped == len(kept) and summary.succeeded + summary.failed == 21 - len(kept)
+    assert answers(partial) == answers(full)
+
+
+def test_error_lines_are_written_once(engine, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([GOOD[0], *UNIDENTIFIED.values(), "", UNIDENTIFIED["invalid_json"], BAD[2]]) + "\n")
+    first = run_batch(engine, src, dst, use_tqdm=False)
+    assert (first.total, first.succeeded, first.failed, first.skipped) == (8, 1, 7, 0)
+    rows = read(dst)
+    errors = {r["error"]["line"]: r for r in rows if r["error"]}
+    assert {n: r["error"]["code"] for n, r in errors.items()} == {
+        2: "invalid_json", 3: "invalid_line", 4: "missing_custom_id", 5: "invalid_custom_id",
+        6: "duplicate_custom_id", 8: "invalid_json"}
+    assert errors[6]["custom_id"] == "c1" and errors[2]["error"]["line_key"] != errors[8]["error"]["line_key"]
+    assert all(r["response"] is None and r["error"]["line_key"].startswith(f"line-{n}-") for n, r in errors.items())
+
+    before = dst.read_bytes()
+    again = run_batch(engine, src, dst, use_tqdm=False)
+    assert dst.read_bytes() == before
+    assert (again.total, again.succeeded, again.failed, again.skipped) == (8, 0, 0, 8)
+
+    # A fixed line is a new line: it runs, and the old error line stays as the record of the bad one.
+    lines = src.read_text().splitlines()
+    lines[3] = line("fixed", prompt="x", max_tokens=1)
+    src.write_text("\n".join(lines) + "\n")
+    fixed = run_batch(engine, src, dst, use_tqdm=False)
+    assert (fixed.succeeded, fixed.failed, fixed.skipped) == (1, 0, 7)
+    assert read(dst)[-1]["custom_id"] == "fixed" and read(dst)[-1]["response"]["status_code"] == 200
+
+
+def test_a_duplicate_answered_first_does_not_stand_for_the_original(engine, tmp_path, monkeypatch):
+    # The duplicate's error line is written when it is read, before the original finishes; an
+    # interrupted run must still run the original on resume.
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([line("d", prompt="long one", max_tokens=20, ignore_eos=True),
+                              line("d", prompt="copy", max_tokens=1)]) + "\n")
+    real_step = engine.step
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(engine, src, dst, use_tqdm=False)
+    monkeypatch.setattr(engine, "step", real_step)
+    assert [r["error"]["code"] for r in read(dst)] == ["duplicate_custom_id"]
+    summary = run_batch(engine, src, dst, use_tqdm=False)
+    assert (summary.succeeded, summary.skipped) == (1, 1)
+    assert read(dst)[-1]["response"]["body"]["usage"]["completion_tokens"] == 20
+
+
+def test_progress_bar_on_a_non_tty(engine, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(GOOD + ["", BAD[0]]) + "\n")
+    run_batch(engine, src, dst, use_tqdm=None)           # default: stderr is captured, not a terminal
+    assert capsys.readouterr().err == "" and len(read(dst)) == 4
+    src.write_text("\n".join(GOOD + ["", BAD[0]] + many(3)) + "\n")
+    summary = run_batch(engine, src, dst, max_in_flight=2, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert summary.succeeded == 3 and summary.skipped == 4 and len(read(dst)) == 7
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "3/3" in final and "tok/s=" in final and "failed=0" in final, err   # skipped and blank lines leave the total
 
 
 def test_cli_run_batch(tiny_models, tmp_path, capsys):
@@ -88,12 +250,36 @@ def test_cli_run_batch(tiny_models, tmp_path, capsys):
     src.write_text(GOOD[0] + "\n" + BAD[1] + "\n")
     rc = main(["run-batch", "-i", str(src), "-o", str(dst), str(tiny_models["llama"]), "--max-num-seqs", "4",
                "--max-num-batched-tokens", "16", "--num-kv-blocks", "64", "--max-model-len", "64",
-               "--token-buckets", "16"])
+               "--token-buckets", "16", "--max-in-flight", "1", "--no-progress"])
     assert rc == 0 and len(read(dst)) == 2
-    assert "1 succeeded, 1 failed" in capsys.readouterr().err
+    assert capsys.readouterr().err.rstrip().endswith("1 succeeded, 1 failed, 0 already done -> " + str(dst))
 
 
 def test_cli_reports_bad_flags_cleanly(tmp_path, capsys):
     rc = main(["run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl"),
                str(tmp_path / "nope")])
     assert rc == 2 and "nope" in capsys.readouterr().err
+    rc = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-in-flight", "0"])
+    assert rc == 2 and "--max-in-flight must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_on_a_long_file(engine, tmp_path):
+    # Python heap peak per extra input line: the bounded reader keeps a custom_id per line (~0.2 KB
+    # here); reading and queueing the whole file first held ~6 KB per line of this shape.
+    import tracemalloc
+
+    def peak(n):
+        src, dst = tmp_path / f"in{n}.jsonl", tmp_path / f"out{n}.jsonl"
+        src.write_text("".join(line(f"r{i}", prompt=f"request number {i} " * 4, max_tokens=1) + "\n"
+                               for i in range(n)))
+        tracemalloc.start()
+        try:
+            summary = run_batch(engine, src, dst, use_tqdm=False)
+            top = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert summary.succeeded == n
+        return top
+    small, large = peak(2_000), peak(20_000)
+    assert (large - small) / 18_000 < 1_000, (small, large)
