@@ -43,7 +43,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, capped so at least one token is computed."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []

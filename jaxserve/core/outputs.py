@@ -50,9 +50,9 @@ class SchedulerOutput:
 
 @dataclasses.dataclass(slots=True)
 class Logprobs:
-    """Logprobs of one generated token."""
+    """Logprobs of one token: a generated one, or a prompt token given the tokens before it."""
 
-    token_logprob: float             # logprob of the sampled token (raw model distribution)
+    token_logprob: float             # logprob of the token (raw model distribution)
     top_token_ids: list[int]         # top-N token ids, best first
     top_logprobs: list[float]        # their logprobs
 
@@ -62,6 +62,9 @@ class ModelRunnerOutput:
     req_ids: list[str]                          # requests of the step, in the order they were scheduled
     sampled_token_ids: list[list[int]]          # per request: the new token, or [] for a partial prefill chunk
     logprobs: list[Logprobs | None] | None = None   # per request, when it asked for logprobs
+    # Per request, when it asked for prompt_logprobs and this step computed prompt positions:
+    # (index of the first prompt token covered, one entry per prompt token from there on).
+    prompt_logprobs: list[tuple[int, list[Logprobs]] | None] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,6 +75,10 @@ class EngineCoreOutput:
     finish_reason: str | None = None     # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None # the stop token id (or stop string, set by the engine)
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    # prompt_logprobs: entries for the prompt tokens whose logprobs this step computed, in order
+    # (token i >= 1 given tokens < i); over a request's outputs they add up to P - 1 entries for a
+    # P-token prompt, never repeated after a preemption. None when there are none this step.
+    new_prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -69,6 +69,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.block_hashes: list[BlockHash] = []    # hashes of every full block of all_token_ids
+        self.num_prompt_logprobs_emitted = 0       # prompt_logprobs entries already output (kept across preemption)
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +86,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, which cached blocks lack (as vLLM)."""
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -7,9 +7,18 @@ read by the scheduler (stop checks) and the runner (on-device sampling).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as in vLLM
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0   # everything so far, every step (LLM.generate, AsyncEngine.generate by default)
+    DELTA = 1        # only what is new since the last output; a finished sequence is reported once
+    FINAL_ONLY = 2   # one output, when the request has finished
 
 
 @dataclasses.dataclass
@@ -29,8 +38,10 @@ class SamplingParams:
     max_tokens: int | None = 16                # None: until the context is full
     min_tokens: int = 0                        # no EOS / stop token before this many tokens
     logprobs: int | None = None                # top-N logprobs per generated token
+    prompt_logprobs: int | None = None         # logprob of each prompt token + its top-N (0: only its own)
     include_stop_str_in_output: bool = False   # keep the matched stop string in the text
     skip_special_tokens: bool = True           # drop special tokens from the text
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each output carries
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +79,10 @@ class SamplingParams:
                    f"must be <= max_tokens={self.max_tokens}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", self.logprobs, "must be an integer >= 0 or None")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", self.prompt_logprobs, "must be an integer >= 0 or None")
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+               "must be a RequestOutputKind")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", self.stop, "must hold non-empty strings")
         for t in self.stop_token_ids:

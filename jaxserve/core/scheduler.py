@@ -14,7 +14,7 @@ import random
 
 from jaxserve.core.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
                                    NewRequestData, SchedulerOutput)
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_queue
@@ -142,7 +142,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:   # first admission (not a resume after preemption)
                 request.num_cached_tokens = num_computed
-                if cfg.enable_prefix_caching:
+                if cfg.enable_prefix_caching and not request.skip_reading_prefix_cache:
                     self.kv.record_prefix_lookup(request.num_tokens, num_computed)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(NewRequestData(
@@ -192,14 +192,22 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop checks, free what finished."""
         outputs = []
-        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        num_reqs = len(runner_output.req_ids)
+        logprobs = runner_output.logprobs or [None] * num_reqs
+        prompt_logprobs = runner_output.prompt_logprobs or [None] * num_reqs
         requests, block_size, running = self.requests, self.config.block_size, RequestStatus.RUNNING
-        for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs):
+        for req_id, token_ids, lp, plp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs,
+                                              prompt_logprobs):
             request = requests.get(req_id)
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
+            new_prompt_lps = self._new_prompt_logprobs(request, *plp) if plp is not None else None
             if request.num_computed_tokens < len(request.all_token_ids):
-                continue  # a prefill chunk that did not reach the end of the prompt yet
+                # A prefill chunk that did not reach the end of the prompt yet: only prompt logprobs.
+                if new_prompt_lps:
+                    outputs.append(EngineCoreOutput(req_id, [], [], num_cached_tokens=max(request.num_cached_tokens, 0),
+                                                    new_prompt_logprobs=new_prompt_lps))
+                continue
             new_ids = []
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
@@ -214,8 +222,18 @@ class Scheduler:
                 self._free(request)
             outputs.append(EngineCoreOutput(req_id, new_ids, [lp] if (lp is not None and new_ids) else [],
                                             finish_reason, request.stop_reason,
-                                            max(request.num_cached_tokens, 0)))
+                                            max(request.num_cached_tokens, 0), new_prompt_lps or None))
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, first: int, entries: list[Logprobs]) -> list[Logprobs]:
+        """The entries (for prompt tokens first, first + 1, ...) not output before: a request
+        recomputed after a preemption computes its prompt's logprobs again."""
+        done = request.num_prompt_logprobs_emitted     # entries for prompt tokens 1..done were output
+        assert first <= done + 1, (request.request_id, first, done)
+        new = entries[done + 1 - first:]
+        request.num_prompt_logprobs_emitted += len(new)
+        return new
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

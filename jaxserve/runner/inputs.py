@@ -50,6 +50,15 @@ class StepInputs:
     sampling: SamplingMetadata
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobsInputs:
+    """Extra inputs of the step variant run only when some request of the step wants prompt logprobs."""
+
+    next_token_ids: jax.Array    # [T] int32 prompt token after each flat position whose logprob is wanted (else 0)
+    want_top: jax.Array          # [] bool: some request asked for a top-N (prompt_logprobs > 0)
+
+
 def _uses_penalties(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
@@ -80,6 +89,31 @@ def pick_bucket(n: int, buckets: list[int]) -> int:
 def num_seqs_for_bucket(num_tokens_bucket: int, max_num_seqs: int) -> int:
     """Sequences can never outnumber tokens, so small buckets carry fewer sequence rows."""
     return min(num_tokens_bucket, max_num_seqs)
+
+
+def num_prompt_logprob_positions(st: RequestState, num_scheduled: int) -> int:
+    """Positions of this step whose next token is a prompt token whose logprob `st` asked for
+    (they start at the step's first position, st.num_computed_tokens)."""
+    if st.sampling_params.prompt_logprobs is None:
+        return 0
+    start = st.num_computed_tokens
+    return max(0, min(start + num_scheduled, st.num_prompt_tokens - 1) - start)
+
+
+def prepare_prompt_logprobs(scheduled: list[tuple[RequestState, int]], *,
+                            num_tokens_bucket: int) -> PromptLogprobsInputs | None:
+    """The prompt-logprobs inputs of a step, or None when no request of it needs any (the common case)."""
+    next_ids, want_top, t = None, False, 0
+    for st, n in scheduled:
+        m = num_prompt_logprob_positions(st, n)
+        if m:
+            if next_ids is None:
+                next_ids = np.zeros(num_tokens_bucket, np.int32)
+            start = st.num_computed_tokens
+            next_ids[t:t + m] = st.token_ids[start + 1:start + 1 + m]
+            want_top |= st.sampling_params.prompt_logprobs > 0
+        t += n
+    return None if next_ids is None else PromptLogprobsInputs(next_token_ids=next_ids, want_top=np.bool_(want_top))
 
 
 def prepare_inputs(

@@ -6,6 +6,12 @@ fits, runs the one jitted step `(params, kv_caches, inputs) -> (kv_caches, token
 logprobs)` with the KV pool donated (updated in place), and returns the sampled tokens
 as plain data. Every bucket is compiled by `warmup()`; `compiles_after_warmup` exposes
 any compile after that.
+
+Steps in which some request wants prompt logprobs run a second variant of the step (one
+more input, three more outputs: logits at every scheduled position, not only the last of
+each sequence). It is compiled per token bucket on first use, outside warm-up, so the
+first such request of a bucket waits for one compile; steps without prompt logprobs
+never run it and cost what they did.
 """
 
 from __future__ import annotations
@@ -23,19 +29,25 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.inputs import (RequestState, StepInputs, num_seqs_for_bucket, pick_bucket,
-                                    prepare_inputs, token_buckets)
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.inputs import (PromptLogprobsInputs, RequestState, StepInputs, num_prompt_logprob_positions,
+                                    num_seqs_for_bucket, pick_bucket, prepare_inputs, prepare_prompt_logprobs,
+                                    token_buckets)
+from jaxserve.runner.sampler import fast_top_k, sample
 from kernels_pallas import kv_pool_dtype
 from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
 
 logger = logging.getLogger(__name__)
 
+_PROMPT_LOGPROBS_ROWS = 256   # positions per chunk of prompt logits: peak memory rows x vocab x 4 bytes
 
-def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inputs: StepInputs):
+
+def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inputs: StepInputs,
+            prompt: PromptLogprobsInputs | None = None):
     """One forward + sampling step; pure, so callers may bring their own params.
 
-    Returns (kv_caches, token_ids [S], token_logprobs [S], top_ids [S, K], top_logprobs [S, K]).
+    Returns (kv_caches, token_ids [S], token_logprobs [S], top_ids [S, K], top_logprobs [S, K]),
+    and with `prompt` also (prompt_token_logprobs [T], prompt_top_ids [T, K],
+    prompt_top_logprobs [T, K]) at every flat position (a separate compiled variant).
     """
     model = nnx.merge(graphdef, params)
     hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)  # [T, hidden]
@@ -53,7 +65,37 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
         lambda lp: tuple(lax.top_k(lp, max_logprobs)),
         lambda lp: (jnp.zeros((num_seqs, max_logprobs), lp.dtype), jnp.zeros((num_seqs, max_logprobs), jnp.int32)),
         logprobs)
-    return kv_caches, token_ids, token_logprobs, top_ids, top_lps
+    if prompt is None:
+        return kv_caches, token_ids, token_logprobs, top_ids, top_lps
+    return (kv_caches, token_ids, token_logprobs, top_ids, top_lps,
+            *_prompt_logprobs(model, hidden, prompt, max_logprobs))
+
+
+def _prompt_logprobs(model, hidden: jax.Array, prompt: PromptLogprobsInputs, k: int):
+    """At every flat position t: the raw logprob of next_token_ids[t] [T] and the top k [T, K].
+
+    Computed over chunks of positions so that a large budget times a large vocabulary never
+    holds all [T, V] logits at once. The sampling path above is left as it is (same ops on
+    the same hidden states), so greedy tokens are those of the plain step.
+    """
+    num_tokens, width = hidden.shape
+    rows = min(_PROMPT_LOGPROBS_ROWS, num_tokens)
+    pad = -num_tokens % rows
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, rows, width)         # [C, R, hidden]
+    nxt = jnp.pad(prompt.next_token_ids, (0, pad)).reshape(-1, rows)          # [C, R]
+
+    def chunk(args):
+        h, nxt = args
+        lp = jax.nn.log_softmax(model.compute_logits(h), axis=-1)             # [R, V] f32
+        token_lp = jnp.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]       # [R]
+        top_lps, top_ids = lax.cond(
+            prompt.want_top, lambda lp: fast_top_k(lp, k),
+            lambda lp: (jnp.zeros((rows, k), lp.dtype), jnp.zeros((rows, k), jnp.int32)), lp)
+        return token_lp, top_ids, top_lps
+
+    token_lp, top_ids, top_lps = lax.map(chunk, (h, nxt))
+    return (token_lp.reshape(-1)[:num_tokens], top_ids.reshape(-1, k)[:num_tokens],
+            top_lps.reshape(-1, k)[:num_tokens])
 
 
 class ModelRunner:
@@ -94,18 +136,28 @@ class ModelRunner:
         # Pin the returned pool to the pool's own sharding; otherwise XLA may pick another
         # and the next call, seeing a new input sharding, would compile again.
         rep = replicated(self.mesh)
-        self.step = jax.jit(functools.partial(step_fn, self.graphdef, self.max_logprobs), donate_argnums=(1,),
-                            out_shardings=([kv_sharding] * config.num_hidden_layers, rep, rep, rep, rep))
+        step = functools.partial(step_fn, self.graphdef, self.max_logprobs)
+        kv_out = [kv_sharding] * config.num_hidden_layers
+        self.step = jax.jit(step, donate_argnums=(1,), out_shardings=(kv_out, *[rep] * 4))
+        self.prompt_logprobs_step = jax.jit(step, donate_argnums=(1,), out_shardings=(kv_out, *[rep] * 7))
         self.states: dict[str, RequestState] = {}
         self._executables: dict[int, jax.stages.Compiled] = {}   # token bucket -> compiled step
+        # token bucket -> compiled prompt-logprobs variant, compiled on first use (not a late
+        # compile of the step: it is not part of warm-up, so compiles_after_warmup leaves it out)
+        self._prompt_logprobs_executables: dict[int, jax.stages.Compiled] = {}
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
 
     # ---- compilation -----------------------------------------------------------------
 
-    def _compile(self, bucket: int) -> jax.stages.Compiled:
+    def _compile(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
         # Traced under the mesh: attention runs per device over its heads (kernels_pallas.dispatch).
         with jax.set_mesh(self.mesh):
-            lowered = self.step.lower(self.params, self.kv_caches, self._prepare([], bucket))
+            if prompt_logprobs:
+                prompt = PromptLogprobsInputs(next_token_ids=np.zeros(bucket, np.int32), want_top=np.bool_(False))
+                lowered = self.prompt_logprobs_step.lower(self.params, self.kv_caches, self._prepare([], bucket),
+                                                          prompt)
+            else:
+                lowered = self.step.lower(self.params, self.kv_caches, self._prepare([], bucket))
         return lowered.compile()
 
     def warmup(self, max_workers: int = 2) -> None:
@@ -115,7 +167,13 @@ class ModelRunner:
                 self._executables[bucket] = exe
         logger.info("warm-up compiled the step for token buckets %s", self.buckets)
 
-    def _executable(self, bucket: int) -> jax.stages.Compiled:
+    def _executable(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
+        if prompt_logprobs:
+            exe = self._prompt_logprobs_executables.get(bucket)
+            if exe is None:
+                logger.info("compiling the prompt-logprobs step for bucket %d (first use)", bucket)
+                exe = self._prompt_logprobs_executables[bucket] = self._compile(bucket, prompt_logprobs=True)
+            return exe
         exe = self._executables.get(bucket)
         if exe is None:
             logger.warning("compiling the step for bucket %d after warm-up", bucket)
@@ -161,11 +219,14 @@ class ModelRunner:
         if len(scheduled) > num_seqs_for_bucket(bucket, self.max_num_seqs):
             raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
         inputs = self._prepare(scheduled, bucket)
+        prompt = prepare_prompt_logprobs(scheduled, num_tokens_bucket=bucket)
+        extra = () if prompt is None else (prompt,)
         try:
-            self.kv_caches, *outs = self._executable(bucket)(self.params, self.kv_caches, inputs)
+            self.kv_caches, *outs = self._executable(bucket, prompt is not None)(self.params, self.kv_caches,
+                                                                                 inputs, *extra)
         except Exception:
-            logger.error("step failed: bucket=%d seqs=%d input shapes=%s", bucket, len(scheduled),
-                         jax.tree.map(np.shape, inputs))
+            logger.error("step failed: bucket=%d seqs=%d prompt_logprobs=%s input shapes=%s", bucket,
+                         len(scheduled), prompt is not None, jax.tree.map(np.shape, inputs))
             raise
         return _Launched(scheduled, outs)
 
@@ -176,9 +237,11 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         # Outputs are replicated: this process's first copy is the whole value (also when
         # other processes hold the rest of the mesh).
-        token_ids, token_lps, top_ids, top_lps = jax.device_get([x.addressable_data(0) for x in launched.outs])
+        token_ids, token_lps, top_ids, top_lps, *prompt_outs = jax.device_get(
+            [x.addressable_data(0) for x in launched.outs])
 
         req_ids, sampled, logprobs = [], [], []
+        prompt_logprobs = _prompt_logprobs_per_request(scheduled, *prompt_outs) if prompt_outs else None
         for i, (st, n) in enumerate(scheduled):
             st.num_computed_tokens += n
             req_ids.append(st.req_id)
@@ -192,10 +255,27 @@ class ModelRunner:
             k = st.sampling_params.logprobs
             logprobs.append(None if k is None else Logprobs(
                 float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
+
+
+def _prompt_logprobs_per_request(scheduled, token_lps, top_ids, top_lps) -> list[tuple[int, list[Logprobs]] | None]:
+    """Each request's rows of the flat prompt-logprobs outputs, before num_computed_tokens moves on:
+    (index of the first prompt token covered, its entries) or None."""
+    out, t = [], 0
+    for st, n in scheduled:
+        m = num_prompt_logprob_positions(st, n)
+        if m:
+            k = st.sampling_params.prompt_logprobs
+            rows = zip(token_lps[t:t + m].tolist(), top_ids[t:t + m, :k].tolist(), top_lps[t:t + m, :k].tolist())
+            out.append((st.num_computed_tokens + 1, [Logprobs(lp, ids, lps) for lp, ids, lps in rows]))
+        else:
+            out.append(None)
+        t += n
+    return out
 
 
 @dataclasses.dataclass
 class _Launched:
     scheduled: list[tuple[RequestState, int]]
-    outs: list[jax.Array] | None     # token_ids, token_logprobs, top_ids, top_logprobs (still on device)
+    outs: list[jax.Array] | None     # token_ids, token_logprobs, top_ids, top_logprobs[, the prompt three] (on device)

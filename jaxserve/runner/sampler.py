@@ -16,7 +16,7 @@ Cost is what shapes the code (it runs every step, S up to 256, V ~ 50k, on CPU t
   costs little more than an argmax plus the logsumexp for its logprob.
 - min-p, top-k and top-p are one per-row threshold on the tempered logits (a token
   survives iff its logit >= threshold). min-p's threshold is `max + log(min_p)`, free.
-  top-k/top-p thresholds are read off the `_TOP_CANDIDATES` best tokens (`_top_k`).
+  top-k/top-p thresholds are read off the `_TOP_CANDIDATES` best tokens (`fast_top_k`).
   Rows whose answer lies deeper: top-k by an exact bisection over the vocabulary (32
   passes), top-p by rejection (draw before top-p, redraw while outside the top-p set,
   one pass per round, accepted with probability >= p), with the bisection as a bound.
@@ -81,7 +81,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) ->
 
     token_logits = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
-        top_vals, top_ids = _top_k(logits, num_logprobs)
+        top_vals, top_ids = fast_top_k(logits, num_logprobs)
     else:
         top_vals = jnp.zeros((num_seqs, 0), jnp.float32)
         top_ids = jnp.zeros((num_seqs, 0), jnp.int32)
@@ -189,7 +189,7 @@ def _top_k_top_p_threshold(d, threshold, md, top_k_on, top_p_on):
     p_mass [S] the mass top-p keeps: p * mass left after min-p and top-k)."""
     num_seqs, vocab_size = d.shape
     num_cand = min(_TOP_CANDIDATES, vocab_size)
-    cand = _top_k(d, num_cand)[0]  # [S, C], best first
+    cand = fast_top_k(d, num_cand)[0]  # [S, C], best first
 
     # top-k: the k-th best value, from the candidates when k <= C, else by bisection.
     k = md.top_k
@@ -306,7 +306,7 @@ def _argmax(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids.astype(jnp.int32), jnp.max(block_max, axis=-1)
 
 
-def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def fast_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """lax.top_k(x, k) for [S, V], ties included (lower index first), in about one pass:
     the k best elements lie in the k blocks with the best maxima (each better-ranked
     block holds a distinct better element), so top_k runs on [S, V / B] and [S, k * B]

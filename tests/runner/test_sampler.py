@@ -282,7 +282,7 @@ def test_blocked_top_k_equals_lax_top_k(k, vocab):
     x[2] = 0.0
     x[3, vocab - 10:] = 9.0  # the best tokens at the end (in the padded block if any)
     want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
-    values, ids = jax.jit(sampler._top_k, static_argnums=1)(jnp.asarray(x), k)
+    values, ids = jax.jit(sampler.fast_top_k, static_argnums=1)(jnp.asarray(x), k)
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(ids, want_ids)
 
