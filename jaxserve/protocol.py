@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jaxserve.core import RequestOutputKind, SamplingParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.tool_parsers import ToolParser, finish_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,15 +189,35 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.tools and self.tool_choice != "none":
-            raise RequestError(
-                "tool calling is not available on this server: the model's tool calls would not be parsed. "
-                "Send tool_choice='none' to render the tools into the prompt without parsing calls.",
-                param="tool_choice")
-        if self.tool_choice not in (None, "none"):
+    def check_tools(self, tool_parser: ToolParser | None) -> None:
+        """tool_choice against tools and the server's parser: "none" and "auto" are served, the rest a 400."""
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
             raise RequestError("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, dict):
+            name = _named_tool_choice(choice)
+            names = [n for t in self.tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                     and isinstance(n := t["function"].get("name"), str)]
+            if name not in names:
+                raise RequestError(f"tool_choice names the function {name!r}, which is not among tools "
+                                   f"({', '.join(map(repr, names)) or 'none named'})", param="tool_choice")
+        elif choice not in (None, "none", "auto", "required"):
+            raise RequestError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        if isinstance(choice, dict) or choice == "required":
+            what = "a named tool_choice" if isinstance(choice, dict) else "tool_choice='required'"
+            raise RequestError(f"{what} is not supported: vLLM forces the call with guided decoding, which "
+                               "jaxserve does not have; use tool_choice='auto'", param="tool_choice")
+        if self.tools and choice != "none" and tool_parser is None:
+            raise RequestError(
+                "tool calling is not enabled on this server: the model's tool calls would not be parsed. "
+                "Send tool_choice='none' to render the tools into the prompt without parsing calls, or "
+                "start the server with --enable-auto-tool-choice --tool-call-parser hermes.",
+                param="tool_choice")
+
+    def parses_tool_calls(self, tool_parser: ToolParser | None) -> bool:
+        """Whether the output is parsed for tool calls (tool_choice "auto", given or by default)."""
+        return tool_parser is not None and bool(self.tools) and self.tool_choice in (None, "auto")
 
     def render(self, tokenizer) -> str:
         """The prompt text the chat template renders (what /tokenize with these fields counts)."""
@@ -225,6 +246,9 @@ class ChatCompletionRequest(_SamplingFields):
                 if any(p.get("type") != "text" for p in parts):
                     raise RequestError("only text content parts are supported", param="messages")
                 d["content"] = "".join(p.get("text", "") for p in parts)
+            if d["role"] == "assistant" and d.get("tool_calls"):
+                d["content"] = d.get("content") or ""
+                d["tool_calls"] = _template_tool_calls(d["tool_calls"], len(out))
             out.append(d)
         return out
 
@@ -235,6 +259,34 @@ class ChatCompletionRequest(_SamplingFields):
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(_max_tokens(requested, name, prompt_len, max_model_len), logprobs)
+
+
+def _named_tool_choice(choice: dict) -> str:
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
+                           param="tool_choice")
+    return function["name"]
+
+
+def _template_tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls as chat templates expect them (as vLLM): arguments as a dict."""
+    if not isinstance(calls, list):
+        raise RequestError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise RequestError(f"messages[{i}].tool_calls[{j}] has no 'function' object", param="messages")
+        args = function.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise RequestError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                                   param="messages") from None
+        out.append({**call, "function": {**function, "arguments": args or {}}})
+    return out
 
 
 def _max_tokens(requested: int | None, name: str, prompt_len: int, max_model_len: int) -> int:
@@ -298,6 +350,13 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def end_offset(logprobs: dict | None) -> int:
+    """The text_offset after these entries: offsets count the characters of the `tokens` before."""
+    if not logprobs or not logprobs["tokens"]:
+        return 0
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
 def join_logprobs(a: dict, b: dict) -> dict:
     return {key: a[key] + b[key] for key in a}
 
@@ -337,10 +396,9 @@ def completion_response(req: CompletionRequest, outputs: list[RequestOutput], mo
             completion_tokens += len(c.token_ids)
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(tokenizer, c.token_ids, c.logprobs, len(prefix))
-                if req.echo:
-                    lp = join_logprobs(completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs),
-                                       lp)
+                lp = completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs) if req.echo else None
+                new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, end_offset(lp))
+                lp = new if lp is None else join_logprobs(lp, new)
             choice = {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": lp,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
@@ -350,14 +408,23 @@ def completion_response(req: CompletionRequest, outputs: list[RequestOutput], mo
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
 
 
-def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, tokenizer) -> dict:
+def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, tokenizer,
+                  tool_parser: ToolParser | None = None) -> dict:
     choices = []
+    parse_tools = req.parses_tool_calls(tool_parser)
     for c in out.outputs:
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if parse_tools:
+            parsed = tool_parser.parse(c.text)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": [call.json() for call in parsed.tool_calls]}
+                reason = finish_reason(reason, called=True)
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": c.text},
+            "index": c.index, "message": message,
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
             if req.logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            "finish_reason": reason, "stop_reason": c.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     response = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices,
@@ -373,10 +440,15 @@ ENDPOINTS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model_len: int,
-            limits: RequestLimits = RequestLimits()) -> list[tuple[dict, SamplingParams]]:
-    """Engine inputs of a validated request: one (prompt dict, params) per prompt."""
+            limits: RequestLimits = RequestLimits(), tool_parser: ToolParser | None = None,
+            ) -> list[tuple[dict, SamplingParams]]:
+    """Engine inputs of a validated request: one (prompt dict, params) per prompt.
+
+    `tool_parser`: the server's --tool-call-parser, when --enable-auto-tool-choice is on.
+    """
     req.check_unsupported()
     if isinstance(req, ChatCompletionRequest):
+        req.check_tools(tool_parser)
         limits.check(req, 1)
         text = req.render(tokenizer)
         pairs = [(text, tokenizer.encode(text, add_special_tokens=False))]
@@ -395,5 +467,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model
     for text, ids in pairs:
         if not ids:
             raise RequestError("prompt must not be empty", param="prompt")
-        items.append(({"prompt": text, "prompt_token_ids": ids}, req.sampling_params(len(ids), max_model_len)))
+        params = req.sampling_params(len(ids), max_model_len)
+        if isinstance(req, ChatCompletionRequest) and req.parses_tool_calls(tool_parser):
+            # Some models' tool-call tags are special tokens: keep them in the text (as vLLM does).
+            params = params.clone(skip_special_tokens=False)
+        items.append(({"prompt": text, "prompt_token_ids": ids}, params))
     return items

@@ -30,6 +30,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, RequestLimits,
                                chat_response, completion_response, parse, prepare)
+from jaxserve.tool_parsers import get_tool_parser
 from server.limits import BodySizeLimit
 from server.metrics import ServerMetrics
 from server.middleware import ApiKeyAuth, RequestId
@@ -90,9 +91,15 @@ def error_response(e: RequestError) -> JSONResponse:
 
 def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_body_bytes: int = 8 * 2**20, limits: RequestLimits | None = None,
-               enable_docs: bool = False) -> FastAPI:
-    """The app; `enable_docs` serves /docs and /openapi.json (off by default, as they list every route)."""
+               enable_docs: bool = False, tool_parser: str | None = None) -> FastAPI:
+    """The app; `enable_docs` serves /docs and /openapi.json (off by default, as they list every route).
+
+    `tool_parser` (a jaxserve.tool_parsers name, e.g. "hermes") parses the tool calls of chat requests
+    with tools and tool_choice "auto" (vLLM's --enable-auto-tool-choice --tool-call-parser); without
+    it such requests get a 400.
+    """
     model_name = served_model_name or engine.model_name
+    tools = get_tool_parser(tool_parser) if tool_parser is not None else None
     metrics = ServerMetrics(engine, model_name)
     limits = limits or RequestLimits(max_logprobs=engine.engine.config.max_logprobs)
 
@@ -139,7 +146,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
 
     async def prepared(req):
         # Chat templates and tokenization of long prompts run off the event loop.
-        return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len, limits)
+        return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len, limits, tools)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
@@ -203,12 +210,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     @app.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         def stream(req):
-            return lambda streams: chat_chunks(req, streams, model_name, engine.tokenizer, metrics)
+            return lambda streams: chat_chunks(req, streams, model_name, engine.tokenizer, metrics, tools)
 
         def final(req):
             async def produce(streams):
                 (output,) = await finals(streams, metrics)
-                return chat_response(req, output, model_name, engine.tokenizer)
+                return chat_response(req, output, model_name, engine.tokenizer, tools)
             return produce
         return await generation(request, ChatCompletionRequest, stream, final)
 
@@ -248,7 +255,7 @@ async def _json(request: Request) -> dict:
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_num_queued_requests: int | None = None, max_request_body_bytes: int = 8 * 2**20,
           limits: RequestLimits | None = None, step_timeout_s: float | None = 180.0,
-          enable_docs: bool = False) -> int:
+          enable_docs: bool = False, tool_parser: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (exit 1).
 
     When the engine dies (a step raised, or ran past `step_timeout_s`) its in-flight
@@ -269,7 +276,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
     engine = AsyncEngine.from_config(config, max_num_queued_requests=max_num_queued_requests,
                                      step_timeout_s=step_timeout_s, on_dead=on_dead)
     app = create_app(engine, served_model_name=config.served_model_name, api_key=api_key,
-                     max_request_body_bytes=max_request_body_bytes, limits=limits, enable_docs=enable_docs)
+                     max_request_body_bytes=max_request_body_bytes, limits=limits, enable_docs=enable_docs,
+                     tool_parser=tool_parser)
     logger.info("serving %s on http://%s:%d", config.served_model_name or engine.model_name, host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=30))

@@ -10,7 +10,9 @@ error response; after them, a stream ends with an error event, and every stream 
 with `data: [DONE]`.
 
 The chunk generators only forward the engine's DELTA outputs (each finished choice
-arrives once) and keep the running counts that usage, `text_offset` and echo need.
+arrives once) and keep the running counts that usage, `text_offset` and echo need. With a
+tool parser, each chat choice's text goes through its own incremental parser
+(jaxserve.tool_parsers), which sends content and whole tool calls as they close.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from starlette.responses import Response
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from jaxserve.outputs import RequestOutput
 from jaxserve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_logprobs,
-                               completion_logprobs, echo_text, join_logprobs, new_id, prompt_logprobs_json, usage)
+                               completion_logprobs, echo_text, end_offset, join_logprobs, new_id,
+                               prompt_logprobs_json, usage)
+from jaxserve.tool_parsers import HermesStream, ToolParser, finish_reason
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -227,11 +231,11 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
                     prefix = echo_text(out, tokenizer)
                     if req.logprobs is not None:
                         lp = completion_logprobs(tokenizer, out.prompt_token_ids, pending_prompt_lps[i])
-                    offsets[index] = len(prefix)
+                        offsets[index] = end_offset(lp)
             if req.logprobs is not None:
                 new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, offsets[index])
+                offsets[index] = end_offset(new) or offsets[index]
                 lp = new if lp is None else join_logprobs(lp, new)
-            offsets[index] += len(c.text)
             choice = {"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
             if first and req.prompt_logprobs is not None:
@@ -246,11 +250,12 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
 
 
 async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], model: str, tokenizer,
-                      metrics: ServerMetrics) -> AsyncIterator[dict]:
+                      metrics: ServerMetrics, tool_parser: ToolParser | None = None) -> AsyncIterator[dict]:
     (stream,) = streams
     cid, created = new_id("chatcmpl"), int(time.time())
     include_usage, continuous = _usage_flags(req)
     counts = _Usage()
+    parsers: dict[int, HermesStream] | None = {} if req.parses_tool_calls(tool_parser) else None  # by choice
 
     def chunk(choices):
         c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
@@ -266,8 +271,17 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
         for c in out.outputs:
             counts.completion += len(c.token_ids)
             lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            delta, reason = {"content": c.text} if c.text else {}, c.finish_reason
+            if parsers is not None:
+                if c.index not in parsers:
+                    parsers[c.index] = tool_parser.stream()
+                parser = parsers[c.index]
+                parsed = parser.feed(c.text)
+                if c.finish_reason is not None:
+                    parsed += parser.finish()
+                delta, reason = parsed.json(), finish_reason(c.finish_reason, called=parser.num_calls > 0)
+            yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": reason, "stop_reason": c.stop_reason}])
         if out.finished:
             counts.cached = out.num_cached_tokens
             metrics.observe(out.metrics)

@@ -1,0 +1,63 @@
+"""OpenAI/vLLM API details on the real tiny engine: echo with logprobs has an entry per prompt
+token, prompt_logprobs, streaming equals non-streaming, /tokenize renders what chat renders."""
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def test_echo_with_logprobs_has_an_entry_for_every_prompt_token(client, server):
+    prompt = [5, 17, 33, 2, 41, 9]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 4 == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # A token-id prompt's echo is its decode, which drops the special token 2 that `tokens` shows.
+    assert r.choices[0].text == "".join(t for k, t in enumerate(lp.tokens) if k != 3)
+    # The prompt entries are vLLM's prompt_logprobs for the same prompt.
+    plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                             "prompt_logprobs": 2}).json()
+    entries = plain["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    for k in range(1, len(prompt)):
+        assert entries[k][str(prompt[k])]["logprob"] == pytest.approx(lp.token_logprobs[k], abs=1e-6)
+    # Streamed, the same entries arrive (the echo and the prompt's entries first).
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=2,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_n2_streams_each_choice_finishing_once_with_usage_counted_once(client):
+    chunks = list(client.completions.create(model="tiny", prompt=["a b", "c"], n=2, max_tokens=6, temperature=1,
+                                            seed=5, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2, 3]
+    assert chunks[-1].usage.completion_tokens == 4 * 6
+
+
+def test_tokenize_chat_renders_what_chat_renders(client, server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"q": {"type": "string"}}}}}]
+    for extra in ({}, {"tools": tools}, {"add_generation_prompt": False}):
+        t = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **extra}).json()
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1, **extra}
+        if "tools" in extra:
+            body["tool_choice"] = "none"
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()
+        assert t["count"] == r["usage"]["prompt_tokens"], extra
+    bad = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "nonsense": 1})
+    assert bad.status_code == 400
