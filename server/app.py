@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.config import EngineConfig
@@ -51,7 +51,7 @@ class TokenizeChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -148,13 +148,15 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         # Chat templates and tokenization of long prompts run off the event loop.
         return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len, limits, tools)
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_class=Response, responses={200: {"description": "the engine is running"},
+                                                             503: {"model": ErrorResponse}})
     async def health():
         if engine.is_healthy:
             return Response(status_code=200)
         return error_response(RequestError("the engine is not running", status=503, type="service_unavailable"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -170,9 +172,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         tok = engine.tokenizer
         if "messages" in body:
             t = parsed(body, TokenizeChatRequest)
-            chat = ChatCompletionRequest(messages=t.messages, add_generation_prompt=t.add_generation_prompt,
-                                         chat_template_kwargs=t.chat_template_kwargs, tools=t.tools,
-                                         tool_choice="none" if t.tools else None)
+            chat = parse(ChatCompletionRequest, {**t.model_dump(exclude_none=True),
+                                                 "tool_choice": "none" if t.tools else None})
             text = await asyncio.to_thread(chat.render, tok)
             ids = tok.encode(text, add_special_tokens=False)      # as the chat route encodes it
         else:

@@ -159,7 +159,8 @@ class AsyncEngine:
         """Stop the loop: in-flight requests are aborted and their consumers get EngineDeadError."""
         self._stopping = True
         self._commands.put(("stop",))
-        self._thread.join(timeout)
+        # A dead engine's thread may be stuck inside its last step: do not wait for it long.
+        self._thread.join(timeout if self._error is None else min(timeout, 1.0))
         if not self._thread.is_alive():
             self.engine.shutdown()   # releases the followers of a multi-process engine
 

@@ -89,7 +89,9 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_e
             await collect(engine, [1], SamplingParams())
         return results
     results = asyncio.run(main())
-    assert all(isinstance(r, EngineDeadError) and "device on fire" in str(r) for r in results)
+    # Clients see the error's type; the error itself (with its message) is the cause, for the log.
+    assert all(isinstance(r, EngineDeadError) and "RuntimeError" in str(r) and "device on fire" not in str(r)
+               and "device on fire" in str(r.__cause__) for r in results)
     assert not engine.is_healthy
     monkeypatch.undo()
     llm_engine.abort_all()
