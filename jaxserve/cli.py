@@ -110,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
-    s.add_argument("--max-num-queued-requests", type=int, default=None,
+    s.add_argument("--max-num-queued-requests", type=_positive_int, default=None,
                    help="refuse new requests with 503 beyond this many sequences (n x prompts) in flight")
-    s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20,
+    s.add_argument("--max-request-body-bytes", type=_positive_int, default=8 * 2**20,
                    help="refuse larger request bodies with 413")
     s.add_argument("--step-timeout-s", type=_positive_float, default=180.0,
                    help="an engine step running longer than this marks the server unhealthy (/health 503), fails "

@@ -219,6 +219,12 @@ class ChatCompletionRequest(_SamplingFields):
         """Whether the output is parsed for tool calls (tool_choice "auto", given or by default)."""
         return tool_parser is not None and bool(self.tools) and self.tool_choice in (None, "auto")
 
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.stream and self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not available with stream=true on chat completions (as in vLLM)",
+                               param="prompt_logprobs")
+
     def render(self, tokenizer) -> str:
         """The prompt text the chat template renders (what /tokenize with these fields counts)."""
         kwargs = dict(self.chat_template_kwargs or {})

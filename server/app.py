@@ -75,6 +75,10 @@ class ErrorResponse(BaseModel):
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
+# A generation route answers JSON, or Server-Sent Events when the body asks for `stream`.
+_GENERATION = {**_ERRORS, 200: {"description": "the completion (JSON), or its chunks (`stream: true`)",
+                                "content": {"application/json": {},
+                                            "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def _body(model: type[BaseModel] | list[type[BaseModel]]) -> dict:
@@ -197,7 +201,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         return EngineResponse(engine, items, produce, stream=req.stream, priority=req.priority,
                               cache_salt=req.cache_salt)
 
-    @app.post("/v1/completions", responses=_ERRORS, openapi_extra=_body(CompletionRequest))
+    @app.post("/v1/completions", responses=_GENERATION, openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):
         def stream(req):
             return lambda streams: completion_chunks(req, streams, model_name, engine.tokenizer, metrics)
@@ -208,7 +212,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
             return produce
         return await generation(request, CompletionRequest, stream, final)
 
-    @app.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", responses=_GENERATION, openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         def stream(req):
             return lambda streams: chat_chunks(req, streams, model_name, engine.tokenizer, metrics, tools)
@@ -244,10 +248,11 @@ def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
 async def _json(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
+        json.dumps(body, ensure_ascii=False).encode()   # lone surrogates ("\ud800") are not text
     except RecursionError:
         raise RequestError("the request body is nested too deeply") from None
+    except ValueError as e:   # invalid JSON or UTF-8, a lone surrogate, an integer of over 4300 digits
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body
@@ -288,10 +293,11 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     if failed.is_set():
         return 1
-    server.run()
-    if failed.is_set():
-        if engine.loop_alive:   # a hung step: its thread can never be joined
+    try:
+        server.run()
+    finally:
+        if engine.loop_alive:   # a step still running (hung): its thread can never be joined
+            logger.error("the engine thread is still inside a step; exiting without it")
             logging.shutdown()
             os._exit(1)
-        return 1
-    return 0
+    return 1 if failed.is_set() else 0

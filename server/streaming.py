@@ -18,6 +18,7 @@ tool parser, each chat choice's text goes through its own incremental parser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -39,15 +40,19 @@ Produce = Callable[[list[RequestStream]], Awaitable[dict]]
 ProduceChunks = Callable[[list[RequestStream]], AsyncIterator[dict]]
 
 
-def as_request_error(e: BaseException) -> RequestError:
-    """The client-facing error of an engine failure; anything unexpected is an internal error."""
+def as_request_error(e: BaseException, request_id: str | None = None, *, admitted: bool = False) -> RequestError:
+    """The client-facing error of a failure; anything unexpected is an internal error.
+
+    A ValueError is the client's fault only while its request is being admitted (the
+    engine's checks); after that it is ours.
+    """
     if isinstance(e, RequestError):
         return e
     if isinstance(e, (QueueFullError, EngineDeadError)):
         return RequestError(str(e), status=503, type="service_unavailable")
-    if isinstance(e, ValueError):
+    if isinstance(e, ValueError) and not admitted:
         return RequestError(str(e))
-    return internal_error(e)
+    return internal_error(e, request_id)
 
 
 def internal_error(e: BaseException, request_id: str | None = None) -> RequestError:
@@ -74,18 +79,22 @@ class EngineResponse(Response):
         self.engine, self.items, self.produce, self.stream = engine, items, produce, stream
         self.priority, self.cache_salt = priority, cache_salt
         self.streams: list[RequestStream] = []
+        self.request_id: str | None = None     # the RequestId middleware's, once called
 
     async def __call__(self, scope, receive, send) -> None:
+        self.request_id = scope.get("state", {}).get("request_id")
         work = asyncio.ensure_future(self._run(send))
         watch = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (work, watch):
-                task.cancel()
-            await asyncio.gather(work, watch, return_exceptions=True)
-            for s in self.streams:      # whatever happened: nothing stays in the engine
-                s.close()
+            try:
+                for task in (work, watch):
+                    task.cancel()
+                await asyncio.gather(work, watch, return_exceptions=True)
+            finally:
+                for s in self.streams:      # whatever happened: nothing stays in the engine
+                    s.close()
         if work.done() and not work.cancelled() and work.exception() is not None:
             raise work.exception()      # before the headers: the app's error handlers answer
 
@@ -95,6 +104,15 @@ class EngineResponse(Response):
         Every accepted stream is in self.streams at once, so that cancelling or failing
         the rest still closes it.
         """
+        limit = self.engine.max_num_queued_requests
+        total = sum(params.n for _, params in self.items)
+        if limit is not None and total > limit:
+            raise RequestError(f"the request asks for {total} sequences (n x prompts); the server queues at most "
+                               f"{limit} (--max-num-queued-requests)", param="n")
+        if limit is not None and self.engine.num_sequences_in_flight + total > limit:
+            raise QueueFullError(f"the engine has {self.engine.num_sequences_in_flight} sequences in flight and "
+                                 f"this request adds {total}; the limit (--max-num-queued-requests) is {limit}")
+
         async def add(prompt, params):
             stream = await self.engine.add_request(prompt, params, new_id("req"), priority=self.priority,
                                                    cache_salt=self.cache_salt)
@@ -103,13 +121,16 @@ class EngineResponse(Response):
         results = await asyncio.gather(*(add(p, params) for p, params in self.items), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
-                raise as_request_error(r) from r
+                raise as_request_error(r, self.request_id) from r
         return results
 
     async def _run(self, send) -> None:
         streams = await self._admit()
         if not self.stream:
-            body = json_bytes(await self.produce(streams))
+            try:
+                body = json_bytes(await self.produce(streams))
+            except Exception as e:  # noqa: BLE001 - an engine that died is a 503, anything else ours
+                raise as_request_error(e, self.request_id, admitted=True) from e
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})
@@ -119,13 +140,14 @@ class EngineResponse(Response):
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
         try:
-            async for chunk in self.produce(streams):
-                await send({"type": "http.response.body", "body": b"data: " + json_bytes(chunk) + b"\n\n",
-                            "more_body": True})
+            async with contextlib.aclosing(self.produce(streams)) as chunks:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": b"data: " + json_bytes(chunk) + b"\n\n",
+                                "more_body": True})
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every stream ends with an error event and [DONE]
-            err = as_request_error(e)
+            err = as_request_error(e, self.request_id, admitted=True)
             await send({"type": "http.response.body", "body": b"data: " + json_bytes(err.to_dict()) + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
@@ -215,35 +237,36 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
             c["usage"] = counts.json()
         return c
 
-    async for i, out in merge(streams):
-        if i not in pending_prompt_lps:
-            pending_prompt_lps[i] = []
-            counts.prompt += len(out.prompt_token_ids)
-        if out.prompt_logprobs:
-            pending_prompt_lps[i] += out.prompt_logprobs
-        for c in out.outputs:
-            index = i * req.n + c.index
-            counts.completion += len(c.token_ids)
-            prefix, lp, first = "", None, index not in offsets
-            if first:
-                offsets[index] = 0
-                if req.echo:
-                    prefix = echo_text(out, tokenizer)
-                    if req.logprobs is not None:
-                        lp = completion_logprobs(tokenizer, out.prompt_token_ids, pending_prompt_lps[i])
-                        offsets[index] = end_offset(lp)
-            if req.logprobs is not None:
-                new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, offsets[index])
-                offsets[index] = end_offset(new) or offsets[index]
-                lp = new if lp is None else join_logprobs(lp, new)
-            choice = {"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason}
-            if first and req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i])
-            yield chunk([choice])
-        if out.finished:
-            counts.cached += out.num_cached_tokens
-            metrics.observe(out.metrics)
+    async with contextlib.aclosing(merge(streams)) as merged:
+        async for i, out in merged:
+            if i not in pending_prompt_lps:
+                pending_prompt_lps[i] = []
+                counts.prompt += len(out.prompt_token_ids)
+            if out.prompt_logprobs:
+                pending_prompt_lps[i] += out.prompt_logprobs
+            for c in out.outputs:
+                index = i * req.n + c.index
+                counts.completion += len(c.token_ids)
+                prefix, lp, first = "", None, index not in offsets
+                if first:
+                    offsets[index] = 0
+                    if req.echo:
+                        prefix = echo_text(out, tokenizer)
+                        if req.logprobs is not None:
+                            lp = completion_logprobs(tokenizer, out.prompt_token_ids, pending_prompt_lps[i])
+                            offsets[index] = end_offset(lp)
+                if req.logprobs is not None:
+                    new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, offsets[index])
+                    offsets[index] = end_offset(new) or offsets[index]
+                    lp = new if lp is None else join_logprobs(lp, new)
+                choice = {"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if first and req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i])
+                yield chunk([choice])
+            if out.finished:
+                counts.cached += out.num_cached_tokens
+                metrics.observe(out.metrics)
     if include_usage:
         yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                "usage": counts.json()}

@@ -214,9 +214,11 @@ class AsyncEngine:
     def _watchdog(self) -> None:
         """Declare the engine dead when one step runs past step_timeout_s."""
         timeout = self.step_timeout_s
+        compile_clock = getattr(self.engine, "compile_clock", lambda: (False, 0.0))
         while self._thread.is_alive() and self._error is None:
             started = self._step_started
-            if started is not None and time.monotonic() - started > timeout:
+            compiling, compiled_at = compile_clock()    # compiles inside a step do not count
+            if started is not None and not compiling and time.monotonic() - max(started, compiled_at) > timeout:
                 logger.error("an engine step has run for more than %.1f s (--step-timeout-s); the engine is "
                              "declared dead", timeout)
                 self._die(StepTimeoutError(f"an engine step made no progress for {timeout:g} s"))

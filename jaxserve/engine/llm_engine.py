@@ -3,8 +3,9 @@
 Single-threaded: whoever owns an LLMEngine calls add_request / step / abort_request from
 one thread (the AsyncEngine runs it on its own loop thread). `step()` schedules, runs
 the jitted step and hands the token diffs to the OutputProcessor (detokenization, stop
-strings, n > 1), which returns the RequestOutputs due (jaxserve.engine.output_processor). `n > 1` becomes n sibling core requests
-that share the prompt's KV blocks through the prefix cache.
+strings, n > 1), which returns the RequestOutputs due (jaxserve.engine.output_processor).
+`n > 1` becomes n sibling core requests that share the prompt's KV blocks through the
+prefix cache.
 
 With data_parallel_size > 1 the engine holds several replicas (scheduler + runner on its
 own devices); each new request is routed to one (jaxserve.engine.routing), and a step launches every
@@ -94,9 +95,12 @@ class LLMEngine:
                              f"{self.scheduler.config.policy!r})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.tokenizer.eos_token_ids
+        wanted = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        taken = [c for c in wanted if c in self._replica_of or self.output_processor.request_of(c) is not None]
+        if taken:
+            raise ValueError(f"request id {request_id!r} clashes with the running sequence {taken[0]!r}")
         replica, core_ids = None, []
-        for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
+        for i, core_id in enumerate(wanted):
             seq_params = params
             if params.n > 1 and params.seed is not None:
                 seq_params = params.clone(seed=params.seed + i)   # distinct, reproducible siblings
@@ -107,19 +111,24 @@ class LLMEngine:
                                        max_num_seqs=self.config.max_num_seqs)
             try:
                 replica.scheduler.add_request(request)
-            except ValueError:
+            except Exception:
                 self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
                 raise
             self._replica_of[core_id] = replica
             core_ids.append(core_id)
-        self.output_processor.add(request_id, text, token_ids, params, core_ids, arrival)
+        try:
+            self.output_processor.add(request_id, text, token_ids, params, core_ids, arrival)
+        except Exception:
+            self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
+            raise
 
     def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
         """Engine-dependent limits of SamplingParams (the vocabulary, max_logprobs, banned-id slots)."""
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds "
+                             f"max_logprobs={self.config.max_logprobs}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids={params.stop_token_ids!r} has id {bad[0]} outside the vocabulary "
@@ -186,6 +195,12 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
         self._finish_core(stopped, RequestStatus.FINISHED_STOPPED)   # stop strings end them here
         return outputs
+
+    def compile_clock(self) -> tuple[bool, float]:
+        """(a compile inside the current step is running, monotonic end of the last one): a step
+        watchdog does not count compile time (e.g. the prompt-logprobs step, compiled on first use)."""
+        runners = [r.runner for r in self.replicas]
+        return any(r.compiling for r in runners), max(r.last_compile_end for r in runners)
 
     def follow(self) -> None:
         """A follower's loop: run the leader's steps until it shuts down (multi-process only)."""

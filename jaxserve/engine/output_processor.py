@@ -141,7 +141,8 @@ class OutputProcessor:
         state.metrics.finished_time = now
         self._requests.pop(state.request_id, None)
         for seq in state.seqs:
-            self._by_core_id.pop(seq.core_id, None)
+            if self._by_core_id.get(seq.core_id, (None, None))[1] is seq:
+                del self._by_core_id[seq.core_id]
 
     # ---- one core output ---------------------------------------------------------------
 
@@ -151,8 +152,9 @@ class OutputProcessor:
         if co.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now
+            if m.last_token_time != now:     # once per step, however many siblings got a token
+                m.token_times.append(now)
             m.last_token_time = now
-            m.token_times.append(now)
         state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
         if state.prompt_logprobs is not None and co.new_prompt_logprobs:
             # Each of the n siblings computes the prompt; the first to reach a position provides it.

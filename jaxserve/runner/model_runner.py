@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +147,8 @@ class ModelRunner:
         # compile of the step: it is not part of warm-up, so compiles_after_warmup leaves it out)
         self._prompt_logprobs_executables: dict[int, jax.stages.Compiled] = {}
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
+        self.compiling = False                                   # a compile inside a step is running
+        self.last_compile_end = 0.0                              # monotonic end of the last such compile
 
     # ---- compilation -----------------------------------------------------------------
 
@@ -172,14 +175,23 @@ class ModelRunner:
             exe = self._prompt_logprobs_executables.get(bucket)
             if exe is None:
                 logger.info("compiling the prompt-logprobs step for bucket %d (first use)", bucket)
-                exe = self._prompt_logprobs_executables[bucket] = self._compile(bucket, prompt_logprobs=True)
+                exe = self._prompt_logprobs_executables[bucket] = self._compile_now(bucket, prompt_logprobs=True)
             return exe
         exe = self._executables.get(bucket)
         if exe is None:
             logger.warning("compiling the step for bucket %d after warm-up", bucket)
-            exe = self._executables[bucket] = self._compile(bucket)
+            exe = self._executables[bucket] = self._compile_now(bucket)
             self.compiles_after_warmup += 1
         return exe
+
+    def _compile_now(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
+        """A compile inside a step; `compiling` / `last_compile_end` let a step watchdog not count it."""
+        self.compiling = True
+        try:
+            return self._compile(bucket, prompt_logprobs=prompt_logprobs)
+        finally:
+            self.compiling = False
+            self.last_compile_end = time.monotonic()
 
     def _prepare(self, scheduled, bucket: int) -> StepInputs:
         return prepare_inputs(scheduled, num_tokens_bucket=bucket, max_num_seqs=self.max_num_seqs,

@@ -118,3 +118,11 @@ def test_engine_outputs_agree_across_kinds(tiny_engine):
             lps[c.index] += c.logprobs
     assert [merged[0], merged[1]] == [c.token_ids for c in final[0].outputs]
     assert [lps[0], lps[1]] == [c.logprobs for c in final[0].outputs]
+
+
+def test_a_request_id_that_clashes_with_a_running_sibling_is_refused(tiny_engine):
+    tiny_engine.add_request("abc", [3, 4, 5], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match="clashes with the running sequence '0_abc'"):
+        tiny_engine.add_request("0_abc", [3, 4], SamplingParams(max_tokens=2))
+    while tiny_engine.has_unfinished_requests():
+        tiny_engine.step()

@@ -86,6 +86,9 @@ def test_malformed_bodies_are_400_or_413(srv):
         "empty": b"",
         "truncated": b'{"prompt": "x", ',
         "nan": b'{"prompt": "x", "temperature": NaN}',
+        "lone surrogate": b'{"prompt": "a\\ud800b"}',
+        "lone surrogate in model": b'{"prompt": "x", "model": "\\udfff"}',
+        "5000-digit integer": b'{"prompt": "x", "n": ' + b"1" * 5000 + b"}",
     }
     for name, data in cases.items():
         r = httpx.post(url, content=data, headers={"content-type": "application/json"}, timeout=30)
@@ -156,3 +159,21 @@ def test_unknown_routes_and_methods_answer_in_the_error_shape(srv):
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
     r = httpx.get(f"{srv.url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_a_request_larger_than_the_queue_is_a_400_not_a_503_forever(tok):
+    engine = ScriptedEngine(tok, lambda prompt, i: [71, 72], max_logprobs=3)
+    s = RunningServer(AsyncEngine(engine, max_num_queued_requests=10), served_model_name="scripted")
+    try:
+        r = post(s, {"prompt": [[1], [2], [3]], "n": 4, "max_tokens": 2})      # 12 sequences > 10
+        assert_400(r, "n", "--max-num-queued-requests")
+        assert engine.added == []                                             # nothing was admitted
+        assert post(s, {"prompt": [[1], [2]], "n": 5, "max_tokens": 2}).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_streaming_chat_with_prompt_logprobs_is_refused(srv):
+    r = post(srv, {"messages": [{"role": "user", "content": "hi"}], "stream": True, "prompt_logprobs": 1},
+             "/v1/chat/completions")
+    assert_400(r, "prompt_logprobs", "stream")
