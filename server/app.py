@@ -75,10 +75,12 @@ class ErrorResponse(BaseModel):
 
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
-# A generation route answers JSON, or Server-Sent Events when the body asks for `stream`.
+# A generation route answers JSON, or Server-Sent Events when the body asks for `stream`: each
+# event's data is a JSON chunk, an error object, or `[DONE]`.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 _GENERATION = {**_ERRORS, 200: {"description": "the completion (JSON), or its chunks (`stream: true`)",
                                 "content": {"application/json": {},
-                                            "text/event-stream": {"schema": {"type": "string"}}}}}
+                                            "text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def _body(model: type[BaseModel] | list[type[BaseModel]]) -> dict:
