@@ -208,6 +208,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, where: str) -> float:
+    """Poll `url`/health until 200; raises if `proc` exits first or `timeout` passes. Returns the seconds."""
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; see {where}")
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"server not ready after {timeout:.0f} s; see {where}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+
+
 @contextlib.contextmanager
 def launch_server(server_args: list[str], log_path: str | Path, timeout: float = 1200.0):
     """`jaxserve serve ARGS` on a free loopback port; yields its base URL, then SIGTERMs it (exit code checked)."""
@@ -216,21 +232,9 @@ def launch_server(server_args: list[str], log_path: str | Path, timeout: float =
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode} before it was ready; see {log_path}")
-                if time.monotonic() - t0 > timeout:
-                    raise RuntimeError(f"server not ready after {timeout:.0f} s; see {log_path}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            print(f"server ready after {time.monotonic() - t0:.1f} s: jaxserve serve {' '.join(server_args)}",
-                  flush=True)
+            seconds = wait_until_healthy(proc, url, timeout, str(log_path))
+            print(f"server ready after {seconds:.1f} s: jaxserve serve {' '.join(server_args)}", flush=True)
             yield url
         finally:
             if proc.poll() is None:

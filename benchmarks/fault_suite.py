@@ -43,18 +43,14 @@ from pathlib import Path
 
 import httpx
 
+from bench_client import free_port, wait_until_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_ARGS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
               "--token-buckets", "4,16,64", "--num-kv-blocks", "256"]
 
 
 # ---- server processes ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -72,18 +68,11 @@ class Server:
             env["JAXSERVE_FAULT_TRIGGER"] = str(trigger)
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        try:
+            wait_until_healthy(self.proc, self.url, timeout, "its output below")
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}\n{self.output()}") from None
 
     def output(self) -> str:
         self.log.seek(0)
