@@ -110,8 +110,9 @@ class EngineResponse(Response):
             raise RequestError(f"the request asks for {total} sequences (n x prompts); the server queues at most "
                                f"{limit} (--max-num-queued-requests)", param="n")
         if limit is not None and self.engine.num_sequences_in_flight + total > limit:
-            raise QueueFullError(f"the engine has {self.engine.num_sequences_in_flight} sequences in flight and "
-                                 f"this request adds {total}; the limit (--max-num-queued-requests) is {limit}")
+            raise as_request_error(QueueFullError(
+                f"the engine has {self.engine.num_sequences_in_flight} sequences in flight and this request adds "
+                f"{total}; the limit (--max-num-queued-requests) is {limit}"))
 
         async def add(prompt, params):
             stream = await self.engine.add_request(prompt, params, new_id("req"), priority=self.priority,

@@ -169,6 +169,14 @@ def test_a_request_larger_than_the_queue_is_a_400_not_a_503_forever(tok):
         assert_400(r, "n", "--max-num-queued-requests")
         assert engine.added == []                                             # nothing was admitted
         assert post(s, {"prompt": [[1], [2]], "n": 5, "max_tokens": 2}).status_code == 200
+        # A request that fits the limit but not beside the ones in flight is a 503 (retry later).
+        engine.step_delay_s = 0.5
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={"prompt": [[1], [2]], "n": 4, "max_tokens": 2,
+                                                                   "stream": True}) as held:
+            lines = held.iter_lines()                 # kept: a dropped iterator closes the stream
+            next(lines)                               # 8 sequences in flight now
+            r = post(s, {"prompt": [1], "n": 3, "max_tokens": 2})
+            assert r.status_code == 503 and "--max-num-queued-requests" in r.json()["error"]["message"]
     finally:
         s.stop()
 
