@@ -3,6 +3,11 @@
 `LLM(model=None, **engine_options).generate(prompts, sampling_params)` adds every prompt
 to one engine at once (continuous batching) and steps until all finish, on the
 caller's thread, returning RequestOutputs in input order.
+
+Inside a training loop: `LLM(model, params=...)` generates with weights the program
+already holds, `update_params(new)` swaps them between generations (no recompilation),
+and `sleep()` / `wake_up()` free and restore the KV pool (and the weights) around the
+training steps.
 """
 
 from __future__ import annotations
@@ -21,9 +26,22 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine.from_kwargs(model, **engine_options)
+    def __init__(self, model: str | None = None, *, params: Any = None, **engine_options: Any) -> None:
+        """`model` gives the config and tokenizer (and the weights unless `params` are given: an nnx
+        Module / State, its pure dict, or a dict of Hugging Face tensor names)."""
+        self.engine = LLMEngine.from_kwargs(model, params=params, **engine_options)
         self._ids = itertools.count()
+
+    def update_params(self, params: Any) -> None:
+        """Generate with new weights from now on (all params or a subset): see LLMEngine.update_params."""
+        self.engine.update_params(params)
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV pool (level 2: and move the weights to host memory) until wake_up()."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 from checkpoints import Checkpoint, load_checkpoint, restore_orbax_params
 from jaxserve.config import EngineConfig
 from jaxserve.core import Scheduler, SchedulerConfig
+from jaxserve.engine.weights import checked_update, flat_params, path_name
 from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
@@ -49,6 +51,8 @@ class EngineParts:
     tokenizer: Tokenizer
     replicas: list[Replica]           # data-parallel replicas (one unless data_parallel_size > 1)
     startup_seconds: dict[str, float]
+    checkpoint_model_config: ModelConfig   # before KV heads were repeated (what callers' params match)
+    kv_head_replicas: int                  # copies of each KV head (tensor parallelism beyond the KV heads)
 
     @property
     def scheduler(self) -> Scheduler:   # the first replica's
@@ -70,15 +74,26 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0, *, mesh: jax.sharding.Mesh | None = None,
-                attention_backend: str = "reference"):
-    """(model, model_config): filled from the checkpoint's tensors, or restored from its Orbax
-    params straight into their shardings on `mesh` (sharding.PARAM_RULES). Its attention
-    layers call the (already resolved) `attention_backend`."""
+                attention_backend: str = "reference", params: Any = None):
+    """(model, model_config): filled from `params` when given (a caller's weights: see
+    jaxserve.engine.weights; cast to `dtype`, left on their devices), else from the checkpoint's
+    tensors, or restored from its Orbax params straight into their shardings on `mesh`
+    (sharding.PARAM_RULES). Its attention layers call the (already resolved) `attention_backend`."""
     model_config = dataclasses.replace(ModelConfig.from_hf_config(checkpoint.config),
                                        attention_backend=attention_backend)
     # Built abstractly (no random init of weights that are about to be replaced), then filled.
     model = _abstract_model(model_config, dtype, seed)
-    if checkpoint.params_path:
+    if params is not None:
+        graphdef, abstract = nnx.split(model)
+        shapes = nnx.traversals.flatten_mapping(nnx.to_pure_dict(abstract))
+        given = flat_params(params, model_config)
+        missing = [path_name(p) for p in shapes if p not in given]
+        if missing:
+            raise ValueError(f"params lack {len(missing)} of the model's params: {', '.join(missing[:5])}")
+        filled = checked_update({p: _Placed(a) for p, a in shapes.items()}, given, cast=True)
+        nnx.replace_by_pure_dict(abstract, nnx.traversals.unflatten_mapping(filled))
+        model = nnx.merge(graphdef, abstract)
+    elif checkpoint.params_path:
         graphdef, abstract = nnx.split(model)
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                               abstract, param_shardings(abstract, mesh or make_mesh()))
@@ -91,6 +106,13 @@ def build_model(checkpoint: Checkpoint, dtype: str, seed: int = 0, *, mesh: jax.
     if unfilled:
         raise ValueError(f"the checkpoint left params unset: {', '.join(unfilled[:5])}")
     return model, model_config
+
+
+class _Placed:
+    """An abstract param as checked_update sees it: shape, dtype, and no sharding to move to."""
+
+    def __init__(self, abstract) -> None:
+        self.shape, self.dtype, self.sharding = abstract.shape, abstract.dtype, None
 
 
 def _abstract_model(model_config: ModelConfig, dtype: str, seed: int):
@@ -124,7 +146,9 @@ def resolve_attention_backend(config: EngineConfig, platform: str | None = None)
     return backend
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
+    """Everything an engine needs; `params` (a caller's weights) replace the checkpoint's, whose
+    config and tokenizer are still used."""
     times = {}
     t0 = time.perf_counter()
     if config.num_processes > 1:   # before anything touches a device
@@ -170,9 +194,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     t0 = time.perf_counter()
     meshes = replica_meshes(mesh)
-    model, model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0],
-                                       attention_backend=attention_backend)
-    model, model_config = with_replicated_kv_heads(model, model_config, kv_replicas, config.dtype)
+    model, checkpoint_model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0],
+                                                  attention_backend=attention_backend, params=params)
+    model, model_config = with_replicated_kv_heads(model, checkpoint_model_config, kv_replicas, config.dtype)
     times["build_model"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -191,4 +215,5 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 checkpoint.name, len(replicas), config.tensor_parallel_size, num_blocks, config.block_size,
                 max_model_len, {k: round(v, 2) for k, v in times.items()})
     return EngineParts(config=config, checkpoint_name=checkpoint.name, model_config=model_config,
-                       tokenizer=tokenizer, replicas=replicas, startup_seconds=times)
+                       tokenizer=tokenizer, replicas=replicas, startup_seconds=times,
+                       checkpoint_model_config=checkpoint_model_config, kv_head_replicas=kv_replicas)

@@ -18,22 +18,32 @@ from __future__ import annotations
 import atexit
 import time
 from collections.abc import Iterable
+from typing import Any
+
+from flax import nnx
 
 from jaxserve.config import EngineConfig
 from jaxserve.core import Request, RequestStatus, SamplingParams
 from jaxserve.engine.builder import Replica, build_engine_parts
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.routing import route
+from jaxserve.engine.weights import checked_update, flat_params
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.inputs import MAX_BANNED
+from sharding import replicate_kv_heads
 from sharding.distributed import STOP, StepChannel
 
 PromptType = str | list[int] | dict
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        parts = build_engine_parts(config)
+    def __init__(self, config: EngineConfig, params: Any = None) -> None:
+        """`params`: weights the caller already holds (jaxserve.engine.weights lists the forms),
+        used instead of the checkpoint's; `config.model` still gives the config and tokenizer."""
+        parts = build_engine_parts(config, params)
+        self._checkpoint_model_config = parts.checkpoint_model_config
+        self._kv_head_replicas = parts.kv_head_replicas
+        self.sleep_level = 0                  # 0 awake; 1 KV pool released; 2 weights offloaded too
         self.config = config
         self.model_name = parts.checkpoint_name
         self.model_config = parts.model_config
@@ -56,8 +66,8 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
 
     @classmethod
-    def from_kwargs(cls, model=None, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig.from_kwargs(model, **kwargs))
+    def from_kwargs(cls, model=None, params: Any = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **kwargs), params=params)
 
     # ---- requests ------------------------------------------------------------------
 
@@ -79,6 +89,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        if self.sleep_level:
+            raise RuntimeError("the engine is asleep (sleep() released its memory): call wake_up() first")
         params = params or SamplingParams()
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -218,6 +230,60 @@ class LLMEngine:
         if self._channel is not None and self.is_leader:
             self._channel.publish(STOP)
             self._channel = None
+
+    # ---- weights and memory between generations --------------------------------------
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{what} needs an idle engine: {self.num_unfinished_requests} request(s) are in "
+                               "flight; let them finish (step until has_unfinished_requests() is False) or abort them")
+        if self._channel is not None:
+            raise RuntimeError(f"{what} is for single-process engines")
+
+    def update_params(self, params: Any) -> None:
+        """Serve new weights from the next step: all of the model's params or a subset (e.g. merged
+        LoRA projections), in any form `LLMEngine(params=...)` takes, with the engine's shapes and
+        dtypes. Nothing compiles again (the compiled steps take params as an argument). The prefix
+        cache is emptied: its KV was computed by the old weights. Refused while requests are in
+        flight; a refused update leaves the old weights serving."""
+        self._require_idle("update_params")
+        if self.sleep_level >= 2:
+            raise RuntimeError("the weights are offloaded (sleep(level=2)): call wake_up() first")
+        flat = flat_params(params, self._checkpoint_model_config)
+        if self._kv_head_replicas > 1:   # the engine holds each KV head several times (tp > KV heads)
+            flat = nnx.traversals.flatten_mapping(
+                replicate_kv_heads(nnx.traversals.unflatten_mapping(flat), self._kv_head_replicas))
+        # Every replica is checked before any is changed.
+        placed = [checked_update(r.runner.param_arrays(), dict(flat), cast=False) for r in self.replicas]
+        for replica, arrays in zip(self.replicas, placed):
+            replica.runner.replace_params(arrays)
+            replica.scheduler.kv.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> int:
+        """Release device memory between generations: level 1 frees the KV pool (its cached
+        prefixes are forgotten), level 2 also moves the weights to host memory. Returns the bytes
+        of KV pool freed. Refused while requests are in flight; `wake_up()` undoes it."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV pool) or 2 (KV pool and weights), got {level!r}")
+        self._require_idle("sleep")
+        freed = 0
+        for replica in self.replicas:
+            if self.sleep_level < 1:
+                freed += replica.runner.release_kv_pool()
+                replica.scheduler.kv.reset_prefix_cache()
+            if level == 2 and self.sleep_level < 2:
+                replica.runner.offload_params()
+        self.sleep_level = max(self.sleep_level, level)
+        return freed
+
+    def wake_up(self) -> None:
+        """Bring back what sleep() released, on the same shardings: nothing compiles again."""
+        for replica in self.replicas:
+            if self.sleep_level >= 2:
+                replica.runner.reload_params()
+            if self.sleep_level >= 1:
+                replica.runner.restore_kv_pool()
+        self.sleep_level = 0
 
     # ---- introspection ---------------------------------------------------------------
 

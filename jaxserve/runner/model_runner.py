@@ -150,6 +150,44 @@ class ModelRunner:
         self.compiling = False                                   # a compile inside a step is running
         self.last_compile_end = 0.0                              # monotonic end of the last such compile
 
+    # ---- weights and pool between steps (LLMEngine.update_params / sleep / wake_up) -----
+
+    def param_arrays(self) -> dict[tuple, jax.Array]:
+        """{param path: array} of the weights the steps run with."""
+        return nnx.traversals.flatten_mapping(nnx.to_pure_dict(self.params))
+
+    def replace_params(self, placed: dict[tuple, jax.Array]) -> None:
+        """Swap in arrays of the same shapes, dtypes and shardings (checked by the caller): the
+        compiled steps take params as an argument, so nothing compiles again."""
+        nnx.replace_by_pure_dict(self.params, nnx.traversals.unflatten_mapping(placed))
+
+    def release_kv_pool(self) -> int:
+        """Free the KV pool's device memory; returns its bytes. `restore_kv_pool` brings it back."""
+        freed = sum(a.nbytes for a in self.kv_caches)
+        for a in self.kv_caches:
+            a.delete()
+        self.kv_caches = None
+        return freed
+
+    def restore_kv_pool(self) -> None:
+        """A zeroed KV pool of the same shape, dtype and sharding (so the compiled steps still fit)."""
+        shape = (2, self.config.num_key_value_heads, self.num_blocks, self.block_size, self.config.head_dim)
+        sharding = kv_cache_sharding(self.mesh)
+        self.kv_caches = [jnp.zeros(shape, self.kv_dtype, device=sharding)
+                          for _ in range(self.config.num_hidden_layers)]
+
+    def offload_params(self) -> None:
+        """Move the weights to host memory (the device arrays are dropped, not deleted: a caller
+        sharing them keeps them); `reload_params` puts them back on their shardings."""
+        flat = self.param_arrays()
+        self._offloaded = {path: (np.asarray(a), a.sharding) for path, a in flat.items()}
+        self.replace_params({path: None for path in flat})
+
+    def reload_params(self) -> None:
+        self.replace_params({path: jax.device_put(host, sharding)
+                             for path, (host, sharding) in self._offloaded.items()})
+        self._offloaded = None
+
     # ---- compilation -----------------------------------------------------------------
 
     def _compile(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
