@@ -163,6 +163,23 @@ def paged_attention(
     )
 
 
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float,
+                           sliding_window: int | None) -> jax.Array:
+    """Causal GQA attention of one whole sequence, no cache: [T, num_heads, head_dim].
+
+    The models' training-time path (`LlamaForCausalLM.forward`): plain jnp, differentiable.
+    """
+    group = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)           # [T, heads, head_dim]
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    pos = jnp.arange(q.shape[0])
+    allowed = pos[None, :] <= pos[:, None]                                       # [Tq, Tk]
+    if sliding_window is not None:
+        allowed &= pos[None, :] > pos[:, None] - sliding_window
+    weights = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", weights.astype(v.dtype), v)
+
+
 class Attention(nnx.Module):
     """GQA self-attention with RoPE, optional q/k/v/o biases and Qwen3's per-head QK norm."""
 
@@ -196,8 +213,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
-    ) -> tuple[jax.Array, jax.Array]:
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None
+    ) -> tuple[jax.Array, jax.Array | None]:
         q = self.q_proj(x)                                  # [T, heads, head_dim]
         k = self.k_proj(x)                                  # [T, kv_heads, head_dim]
         v = self.v_proj(x)                                  # [T, kv_heads, head_dim]
@@ -207,6 +224,9 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # [head_dim // 2]
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        if kv_cache is None:                                # one whole sequence, no cache (training)
+            out = dense_causal_attention(q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+            return self.o_proj(out), None
         kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
                               sliding_window=self.sliding_window)
@@ -244,8 +264,8 @@ class DecoderLayer(nnx.Module):
                        native_rows=config.native_rows, **common)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
-    ) -> tuple[jax.Array, jax.Array]:
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None
+    ) -> tuple[jax.Array, jax.Array | None]:
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
         x = x + attn_out                                           # [T, hidden]
         x = x + self.mlp(self.post_attention_layernorm(x))         # [T, hidden]

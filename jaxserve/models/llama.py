@@ -56,6 +56,15 @@ class LlamaForCausalLM(nnx.Module):
             new_caches.append(kv_cache)
         return self.norm(x), new_caches                    # [T, hidden]
 
+    def forward(self, input_ids: jax.Array) -> jax.Array:
+        """[T] token ids of one sequence -> [T, vocab] float32 logits, by dense causal attention and
+        no KV cache: the differentiable path for training the same params the engine serves."""
+        x = self.embed_tokens(input_ids)
+        positions = jnp.arange(input_ids.shape[0], dtype=jnp.int32)
+        for layer in self.layers:
+            x, _ = layer(x, positions, None, None)
+        return self.compute_logits(self.norm(x))
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> [N, vocab] float32 logits."""
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head[...]  # [vocab, hidden]

@@ -125,3 +125,18 @@ def test_sleep_frees_the_kv_pool_and_wake_up_changes_nothing(llm, original):
     assert llm.engine.runner.compiles_after_warmup == 0
     with pytest.raises(ValueError, match="level"):
         llm.sleep(level=3)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])   # GQA; a sliding window of 8; QK norm
+def test_the_dense_training_forward_matches_the_engines_prompt_logprobs(tiny_models, family):
+    from jaxserve.engine.builder import build_model
+
+    path = str(tiny_models[family])
+    model, _ = build_model(load_hf_folder(path), "float32")
+    ids = list(range(10, 50))
+    logprobs = jax.nn.log_softmax(jax.jit(lambda x: model.forward(x))(jnp.array(ids)), axis=-1)
+    want = [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
+    engine = LLM(path, **OPTIONS)
+    out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    got = [d[ids[i]] for i, d in enumerate(out.prompt_logprobs) if d is not None]
+    np.testing.assert_allclose(got, want, atol=1e-4)
