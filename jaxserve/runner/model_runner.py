@@ -274,7 +274,13 @@ class ModelRunner:
         try:
             self.kv_caches, *outs = self._executable(bucket, prompt is not None)(self.params, self.kv_caches,
                                                                                  inputs, *extra)
-        except Exception:
+        except Exception as e:
+            deleted = [path for path, a in self.param_arrays().items() if isinstance(a, jax.Array) and a.is_deleted()]
+            if deleted:
+                raise ValueError(f"the engine's weights were deleted or donated after they were given to it "
+                                 f"({len(deleted)} arrays, e.g. {'.'.join(map(str, deleted[0]))}): keep the arrays "
+                                 "passed to LLM(params=...) / update_params alive, or call update_params with live "
+                                 "ones") from e
             logger.error("step failed: bucket=%d seqs=%d prompt_logprobs=%s input shapes=%s", bucket,
                          len(scheduled), prompt is not None, jax.tree.map(np.shape, inputs))
             raise

@@ -95,6 +95,18 @@ def test_a_bad_update_is_refused_and_the_old_weights_keep_serving(llm, original)
     assert tokens(llm) == original["greedy"]
 
 
+def test_weights_deleted_by_the_caller_after_an_update_give_a_clear_error(llm, original):
+    mine = {k: v * 1.0 for k, v in original["params"].items()}        # the caller's arrays, shared
+    llm.update_params(nnx.traversals.unflatten_mapping(mine))
+    for a in mine.values():
+        a.delete()                                                      # e.g. donated to a train step
+    with pytest.raises(ValueError, match="deleted or donated"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.update_params(nnx.traversals.unflatten_mapping(original["params"]))
+    assert tokens(llm) == original["greedy"]
+
+
 def test_updates_and_sleep_are_refused_while_requests_run(llm, original):
     engine = llm.engine
     engine.add_request("busy", [3, 4, 5], GREEDY)
