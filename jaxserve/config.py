@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)     # "auto": resolved per device at start-up (jaxserve.engine.devices)
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
 
 
@@ -16,13 +17,17 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
 class EngineConfig:
     model: str | None = None                  # HF folder, .gguf file, or None for the default model
     served_model_name: str | None = None      # name in the API (default: the model's own name)
-    dtype: str = "float32"                    # compute and KV dtype
+    dtype: str = "auto"                       # compute and KV dtype; "auto": bfloat16 on GPU/TPU and on CPUs
+                                              # with bf16 dot instructions, else float32
     max_model_len: int | None = None          # default: the model's max_position_embeddings, capped at 4096
     max_num_batched_tokens: int = 512         # token budget of one step
     max_num_seqs: int = 64                    # running requests at most
     block_size: int = 16                      # tokens per KV block
     num_kv_blocks: int | None = None          # KV pool size in blocks (overrides kv_cache_memory_gb)
-    kv_cache_memory_gb: float = 1.0           # KV pool budget when num_kv_blocks is not given
+    kv_cache_memory_gb: float | None = None   # KV pool budget when num_kv_blocks is not given (default: from
+                                              # gpu_memory_utilization on GPU/TPU, 1 GiB on CPU)
+    gpu_memory_utilization: float = 0.9       # GPU/TPU: the fraction of device memory for weights,
+                                              # activations and the KV pool (vLLM's meaning)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0     # cap on one request's prefill chunk (0: none)
@@ -42,8 +47,8 @@ class EngineConfig:
     process_id: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPE_CHOICES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "tensor_parallel_size",
@@ -55,8 +60,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2")
-        if not self.kv_cache_memory_gb > 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.token_buckets is not None:
             object.__setattr__(self, "token_buckets", tuple(self.token_buckets))
             b = self.token_buckets

@@ -13,6 +13,12 @@ import pytest
 from tests.fixtures.tiny_models import TINY_MODEL_NAMES, write_tiny_model
 
 
+def pytest_addoption(parser):
+    parser.addoption("--pallas-on-device", action="store_true",
+                     help="run the Pallas kernel tests compiled for this machine's GPU / TPU instead of in "
+                          "interpret mode (benchmarks/device_check.sh passes it)")
+
+
 class TinyModels:
     """Lazily written tiny model folders under one session temp dir, by name."""
 
@@ -35,8 +41,8 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 
 # One tiny-model engine shared by the engine, batch and server tests: building one compiles the
 # step for each token bucket, which dominates those tests' run time.
-TINY_ENGINE_OPTIONS = dict(max_num_batched_tokens=64, max_num_seqs=64, num_kv_blocks=512, max_model_len=128,
-                           token_buckets=(4, 16, 64))
+TINY_ENGINE_OPTIONS = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=64, num_kv_blocks=512,
+                           max_model_len=128, token_buckets=(4, 16, 64))
 
 
 @pytest.fixture(scope="session")

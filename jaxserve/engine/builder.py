@@ -20,6 +20,7 @@ from flax import nnx
 from checkpoints import Checkpoint, load_checkpoint, restore_orbax_params
 from jaxserve.config import EngineConfig
 from jaxserve.core import Scheduler, SchedulerConfig
+from jaxserve.engine.devices import activation_bytes, kv_pool_bytes, resolve_dtype
 from jaxserve.engine.weights import checked_update, flat_params, path_name
 from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
@@ -61,6 +62,12 @@ class EngineParts:
     @property
     def runner(self) -> ModelRunner:
         return self.replicas[0].runner
+
+
+def _few_buckets(buckets: list[int]) -> str:
+    """Every third bucket and the largest: a shorter list to suggest in the start-up log."""
+    few = sorted(set(buckets[::3]) | {buckets[-1]})
+    return ",".join(str(b) for b in few)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -154,6 +161,9 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
     if config.num_processes > 1:   # before anything touches a device
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     attention_backend = resolve_attention_backend(config)
+    if config.dtype == "auto":
+        config = dataclasses.replace(config, dtype=resolve_dtype("auto", jax.devices()[0].platform))
+        logger.info("dtype auto: %s on %s", config.dtype, jax.devices()[0].device_kind)
     enable_compilation_cache(config.compilation_cache_dir)
     checkpoint = load_checkpoint(config.model)
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
@@ -174,30 +184,41 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
                          f"{config.max_num_batched_tokens}: every running request needs a token each step")
     if config.max_logprobs > model_config.vocab_size:
         raise ValueError(f"max_logprobs={config.max_logprobs} exceeds the vocabulary ({model_config.vocab_size})")
-    num_blocks = config.num_kv_blocks or max(
-        2, int(config.kv_cache_memory_gb * 2**30)
-        // (kv_replicas * kv_bytes_per_block(model_config, config.block_size, config.dtype)))
-
-    capacity = (num_blocks - 1) * config.block_size
-    if capacity < max_model_len:
-        if config.max_model_len is not None:
-            raise ValueError(f"the KV pool holds {capacity} tokens ({num_blocks - 1} blocks of {config.block_size}), "
-                             f"less than max_model_len={max_model_len}: raise --num-kv-blocks / "
-                             "--kv-cache-memory-gb or lower --max-model-len")
-        logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", capacity, max_model_len)
-        max_model_len = capacity
-    scheduler_config = SchedulerConfig(
-        max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,
-        enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy)
-
     t0 = time.perf_counter()
     meshes = replica_meshes(mesh)
     model, checkpoint_model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0],
                                                   attention_backend=attention_backend, params=params)
     model, model_config = with_replicated_kv_heads(model, checkpoint_model_config, kv_replicas, config.dtype)
     times["build_model"] = time.perf_counter() - t0
+
+    # The pool is sized once the weights are on the device, so that its memory report counts them.
+    num_blocks, how = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
+    if num_blocks is None:
+        activations = activation_bytes(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            hidden_size=model_config.hidden_size, intermediate_size=model_config.intermediate_size,
+            vocab_size=model_config.vocab_size, itemsize=jnp.dtype(_DTYPES[config.dtype]).itemsize)
+        stats = meshes[0].devices.flat[0].memory_stats()
+        budget, how = kv_pool_bytes(stats, gpu_memory_utilization=config.gpu_memory_utilization,
+                                    activations=activations, kv_cache_memory_gb=config.kv_cache_memory_gb)
+        if config.kv_cache_memory_gb is None and stats:
+            budget *= config.tensor_parallel_size   # a device's budget, and each of tp holds a share of the pool
+        num_blocks = max(2, budget // kv_bytes_per_block(model_config, config.block_size, config.dtype))
+    capacity = (num_blocks - 1) * config.block_size
+    if capacity < max_model_len:
+        if config.max_model_len is not None:
+            raise ValueError(f"the KV pool holds {capacity} tokens ({num_blocks - 1} blocks of {config.block_size}), "
+                             f"less than max_model_len={max_model_len}: raise --num-kv-blocks / "
+                             "--kv-cache-memory-gb / --gpu-memory-utilization or lower --max-model-len")
+        logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", capacity, max_model_len)
+        max_model_len = capacity
+    logger.info("KV pool: %d blocks of %d tokens = %d tokens (%s); at most %d requests of max_model_len %d at once",
+                num_blocks - 1, config.block_size, capacity, how, capacity // max_model_len, max_model_len)
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
+        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy)
 
     t0 = time.perf_counter()
     replicas = []
@@ -211,6 +232,10 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
         replicas.append(Replica(Scheduler(scheduler_config), runner))
     del model
     times["warmup"] = time.perf_counter() - t0
+    if times["warmup"] > 60 and config.token_buckets is None:
+        logger.warning("warm-up compiled %d token buckets in %.0f s; fewer buckets start faster at the cost of "
+                       "padding, e.g. --token-buckets %s", len(replicas[0].runner.buckets), times["warmup"],
+                       _few_buckets(replicas[0].runner.buckets))
     logger.info("engine ready: %s, %d replica(s) x tp %d, %d KV blocks of %d each, max_model_len %d, start-up %s",
                 checkpoint.name, len(replicas), config.tensor_parallel_size, num_blocks, config.block_size,
                 max_model_len, {k: round(v, 2) for k, v in times.items()})

@@ -44,7 +44,7 @@ class LLMEngine:
         self._checkpoint_model_config = parts.checkpoint_model_config
         self._kv_head_replicas = parts.kv_head_replicas
         self.sleep_level = 0                  # 0 awake; 1 KV pool released; 2 weights offloaded too
-        self.config = config
+        self.config = parts.config           # with "auto" choices resolved (dtype)
         self.model_name = parts.checkpoint_name
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer

@@ -72,8 +72,8 @@ def _array(name: str, value: Any):
 
 def checked_update(current: dict[Path, jax.Array], new: dict[Path, Any], *, cast: bool) -> dict[Path, jax.Array]:
     """`new` checked against `current` (known paths, same shapes; same dtypes unless `cast`) and
-    placed on each current array's sharding (left where it is when that is None). Raises ValueError naming the first mismatch; nothing
-    is placed before everything was checked."""
+    placed on each current array's sharding (left where it is when that is None). Raises ValueError
+    naming the first mismatch; nothing is placed before everything was checked."""
     for path, value in new.items():
         name = path_name(path)
         if path not in current:

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=512, token_buckets=(1, 4, 16, 64))
+    return LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=16, max_model_len=512,
+               token_buckets=(1, 4, 16, 64))
 
 
 def test_generate_in_order_and_batch_invariant(llm):

@@ -9,7 +9,7 @@ from flax import nnx
 from checkpoints import load_hf_folder
 from jaxserve import LLM, SamplingParams
 
-OPTIONS = dict(max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=64, max_model_len=128,
+OPTIONS = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=64, max_model_len=128,
                token_buckets=(4, 16, 64))
 PROMPTS = [[3, 4, 5, 6], list(range(10, 50))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

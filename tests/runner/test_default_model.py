@@ -14,7 +14,8 @@ EXPECTED = (", the city of Nova Haven was a thriving metropolis, with towering s
 
 
 def test_once_upon_a_time_greedy_continuation():
-    parts = build_engine_parts(EngineConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256))
+    parts = build_engine_parts(EngineConfig(dtype="float32", max_num_batched_tokens=32, max_num_seqs=8,
+                                            max_model_len=256))
     tok = parts.tokenizer
     prompt = tok.encode("Once upon a time")
     parts.scheduler.add_request(Request("a", prompt, SamplingParams(max_tokens=22, temperature=0),

@@ -24,7 +24,8 @@ ATOL = 1e-4   # as tests/runner/test_runner.py's logprobs check
 
 
 def build(path, **kw):
-    opts = dict(max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=64, max_model_len=128, token_buckets=(4, 16))
+    opts = dict(dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=64, max_model_len=128,
+                token_buckets=(4, 16))
     opts.update(kw)
     return build_engine_parts(EngineConfig(model=str(path), **opts))
 

@@ -18,7 +18,7 @@ from tests.fixtures.tiny_models import TINY_MODEL_NAMES
 
 
 def build(path, **kw):
-    opts = dict(max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=128, max_model_len=128,
+    opts = dict(dtype="float32", max_num_batched_tokens=32, max_num_seqs=16, num_kv_blocks=128, max_model_len=128,
                 token_buckets=(1, 8, 32))
     opts.update(kw)
     return build_engine_parts(EngineConfig(model=str(path), **opts))

@@ -58,7 +58,8 @@ def test_sigterm_finishes_in_flight_streams_and_exits_cleanly(tiny_models):
 
 @pytest.mark.slow
 def test_serves_the_default_model_with_no_model_argument():
-    proc, url = start(["--max-model-len", "512", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"])
+    proc, url = start(["--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "32",
+                       "--max-num-seqs", "8"])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         (model,) = client.models.list().data
