@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    g.add_argument("--attention-self-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a Pallas attention backend on a few random cases at start-up and compare with an "
+                        "exact oracle (auto falls back to the reference on a mismatch; an explicit backend fails)")
     g.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("multi-host (one engine over several processes' devices, via jax.distributed)")
     m.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")
@@ -61,6 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
+        background_warmup_after=getattr(args, "background_warmup_after", 0),
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -70,7 +74,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        attention_backend=args.attention_backend, seed=args.seed, token_buckets=args.token_buckets,
+        attention_backend=args.attention_backend, attention_self_check=args.attention_self_check,
+        seed=args.seed, token_buckets=args.token_buckets,
         coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id)
 
 
@@ -125,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an engine step running longer than this marks the server unhealthy (/health 503), fails "
                         "its in-flight requests and exits the process with status 1 (default: %(default)s)")
     s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    s.add_argument("--background-warmup-after", type=int, default=64,
+                   help="serve once the token buckets up to this many tokens are compiled; the larger ones compile "
+                        "in the background, the step's budget capped meanwhile (0: compile all first; "
+                        "default: %(default)s)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls in chat requests with tools (tool_choice 'auto'); needs "
                         "--tool-call-parser")

@@ -35,9 +35,13 @@ class EngineConfig:
     max_logprobs: int = 20                    # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] | None = None  # token counts the step is compiled for (default: powers
                                               # of two up to the budget); fewer buckets = faster warm-up
+    background_warmup_after: int = 0         # compile the buckets above this many tokens after start-up, in
+                                              # the background (0: all before); the budget is capped meanwhile
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     attention_backend: str = "auto"           # "auto" picks by platform ("cpu" on CPUs); "reference": the oracle
+    attention_self_check: bool = True         # a Pallas backend must match the oracle at start-up (kernels_pallas.
+                                              # self_check); False skips it (e.g. to debug a kernel)
     seed: int = 0                             # seeds parameter init for random models; not sampling
     compilation_cache_dir: str | None = None  # persistent XLA cache (default: under the user's cache dir)
     # Multi-host: one engine over the devices of `num_processes` processes (jax.distributed);
@@ -80,6 +84,8 @@ class EngineConfig:
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} with num_processes={self.num_processes}: "
                              "a multi-process engine runs one replica spanning every process's devices")
+        if not isinstance(self.background_warmup_after, int) or self.background_warmup_after < 0:
+            raise ValueError(f"background_warmup_after={self.background_warmup_after!r} must be an integer >= 0")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
 

@@ -31,6 +31,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_req_ids: set[str] = set()
         self._rng = random.Random()
+        # A lower token budget while the runner still compiles its larger buckets (None: no cap).
+        self.token_budget_cap: int | None = None
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -94,7 +96,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
+        budget = cfg.max_num_batched_tokens if self.token_budget_cap is None else \
+            min(cfg.max_num_batched_tokens, self.token_budget_cap)
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []

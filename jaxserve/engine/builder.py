@@ -26,6 +26,7 @@ from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
 from kernels_pallas import resolve_attention_backend as backend_for_platform
+from kernels_pallas.self_check import STARTUP_CHECKED, KernelSelfCheckError, self_check
 from sharding.distributed import initialize as initialize_distributed
 from sharding import (check_tensor_parallel, kv_head_replicas, make_mesh, param_shardings, replica_meshes,
                       replicate_kv_heads)
@@ -147,8 +148,20 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -
 def resolve_attention_backend(config: EngineConfig, platform: str | None = None) -> str:
     """--attention-backend on this machine: "auto" picks by `platform` (default: that of jax.devices()[0];
     GPU -> pallas_gpu, TPU -> pallas_tpu, else reference); a Pallas backend without its device fails here.
-    With tensor parallelism every backend runs per device over its heads (kernels_pallas.dispatch)."""
-    backend = backend_for_platform(config.attention_backend, platform or jax.devices()[0].platform)
+    With tensor parallelism every backend runs per device over its heads (kernels_pallas.dispatch).
+    A Pallas backend must then pass kernels_pallas.self_check on the device: on a failure "auto" falls back
+    to the reference (with a warning) and an explicit backend fails here, naming the case."""
+    platform = platform or jax.devices()[0].platform
+    backend = backend_for_platform(config.attention_backend, platform)
+    if config.attention_self_check and backend in STARTUP_CHECKED:
+        try:
+            self_check(backend, dtype=resolve_dtype(config.dtype, platform), page_size=config.block_size)
+        except KernelSelfCheckError as e:
+            if config.attention_backend != "auto":
+                raise ValueError(f"attention_backend={backend!r} is not trusted here: {e}. Choose another "
+                                 "--attention-backend (or skip the check: --no-attention-self-check)") from e
+            logger.warning("%s; attention backend auto falls back to 'reference'", e)
+            backend = "reference"
     logger.info("attention backend: %s", backend)
     return backend
 
@@ -228,7 +241,8 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
             kv_dtype=_DTYPES[config.dtype], mesh=replica_mesh, buckets=config.token_buckets)
-        runner.warmup()
+        # A multi-process engine's followers compile what the leader's steps need: all of it, up front.
+        runner.warmup(background_after=config.background_warmup_after if config.num_processes == 1 else 0)
         replicas.append(Replica(Scheduler(scheduler_config), runner))
     del model
     times["warmup"] = time.perf_counter() - t0

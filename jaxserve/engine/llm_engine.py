@@ -183,6 +183,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
+        for replica in self.replicas:   # while larger buckets still compile in the background
+            replica.scheduler.token_budget_cap = replica.runner.ready_budget
         plans = [(replica, replica.scheduler.schedule()) for replica in self.replicas]
         for replica, so in plans:
             for req_id, n in so.num_scheduled_tokens.items():

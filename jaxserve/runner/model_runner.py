@@ -16,10 +16,12 @@ never run it and cost what they did.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 import jax
@@ -147,6 +149,7 @@ class ModelRunner:
         # compile of the step: it is not part of warm-up, so compiles_after_warmup leaves it out)
         self._prompt_logprobs_executables: dict[int, jax.stages.Compiled] = {}
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
+        self.ready_budget: int | None = None                     # while warm-up runs on: the largest bucket ready
         self.compiling = False                                   # a compile inside a step is running
         self.last_compile_end = 0.0                              # monotonic end of the last such compile
 
@@ -201,12 +204,58 @@ class ModelRunner:
                 lowered = self.step.lower(self.params, self.kv_caches, self._prepare([], bucket))
         return lowered.compile()
 
-    def warmup(self, max_workers: int = 2) -> None:
-        """Compile the step for every token bucket, ahead of time and in parallel (XLA releases the GIL)."""
+    def warmup(self, max_workers: int = 2, *, background_after: int = 0) -> None:
+        """Compile the step for the token buckets, ahead of time and in parallel (XLA releases the GIL).
+
+        With `background_after` > 0, only the buckets up to that many tokens (at least the
+        smallest) are compiled before this returns; the rest compile on a background thread,
+        smallest first, and `ready_budget` says the largest usable so far (the engine caps its
+        step's token budget there, so no step ever waits for a compile).
+        """
+        now = list(self.buckets)
+        if background_after:
+            now = [b for b in self.buckets if b <= background_after] or self.buckets[:1]
         with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
-            for bucket, exe in zip(self.buckets, pool.map(self._compile, self.buckets)):
+            for bucket, exe in zip(now, pool.map(self._compile, now)):
                 self._executables[bucket] = exe
-        logger.info("warm-up compiled the step for token buckets %s", self.buckets)
+        later = [b for b in self.buckets if b not in self._executables]
+        self.ready_budget = None if not later else now[-1]
+        logger.info("warm-up compiled the step for token buckets %s%s", now,
+                    f"; {later} compile in the background" if later else "")
+        if later:
+            self._stop_background = False
+            self._background = threading.Thread(target=self._compile_later, args=(later,), daemon=True,
+                                                name="jaxserve-warmup")
+            self._background.start()
+            # A process that exits while XLA compiles on a daemon thread aborts: stop after the
+            # bucket in progress and wait for it.
+            atexit.register(self._end_background)
+
+    def _end_background(self) -> None:
+        self._stop_background = True
+        self._background.join()
+
+    def _compile_later(self, buckets: list[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            for bucket in buckets:
+                if self._stop_background:
+                    return
+                self._executables[bucket] = self._compile(bucket)
+                self.ready_budget = bucket if bucket != self.buckets[-1] else None
+        except Exception:  # noqa: BLE001 - the engine keeps serving within the buckets it has
+            logger.exception("background compile failed; the step's budget stays at %s tokens", self.ready_budget)
+            return
+        logger.info("background warm-up compiled token buckets %s in %.1f s: every bucket is ready", buckets,
+                    time.perf_counter() - t0)
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Block until every bucket is compiled; False on timeout."""
+        thread = getattr(self, "_background", None)
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     def _executable(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
         if prompt_logprobs:
