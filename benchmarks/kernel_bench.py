@@ -14,6 +14,7 @@ One script, three parts:
 
     python benchmarks/kernel_bench.py --out kernel_bench.json          # on a GPU
     python benchmarks/kernel_bench.py --sweep                          # also try block sizes
+    python -m kernels_pallas.tuning --sweep --out sweep.json           # a table for kernels_pallas/tuning.py
     python benchmarks/kernel_bench.py --interpret --small              # CPU: checks the script runs
 
 Default shapes: 64 sequences x 2048 context, 8 KV heads, 32 q heads, head_dim 128,

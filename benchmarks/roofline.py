@@ -14,7 +14,7 @@ contents do not change the time), so long contexts cost no prefill. One more run
 step is traced with `jax.profiler` and its device time split by kind (trace_summary.py):
 attention loops, matmuls, KV cache writes, the rest.
 
-    python benchmarks/roofline.py [--decode 1,8,32,64] [--contexts 128,1024] [--prefill 64,256,512]
+    python benchmarks/roofline.py [--decode 1,8,32,64] [--contexts 128,1024] [--prefill 64,256,512] [--no-trace]
 """
 
 from __future__ import annotations
@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", help="the engine's --dtype")
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--trace-dir", default=None, help="where the per-step jax.profiler traces go (default: a temp dir)")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="skip the traced step per row (no device-time split; faster, and no profiler needed)")
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.decode.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 
     def row(kind, seqs, q, c):
-        t, kinds = synthetic_step_time(engine, seqs, q, c, args.reps, trace_root / f"{kind}-{seqs}x{q}-{c}")
+        trace = None if args.no_trace else trace_root / f"{kind}-{seqs}x{q}-{c}"
+        t, kinds = synthetic_step_time(engine, seqs, q, c, args.reps, trace)
         f = model.step_floor(seqs, q, c, read_bw, rate)
         rows.append({"step": kind, "seqs": seqs, "tokens": seqs * q, "context": c, "seconds": t, **f,
                      "trace_seconds": kinds})

@@ -88,7 +88,7 @@ def ragged_paged_attention_gpu(
     """Causal attention of each sequence's queries over its paged context -> [T, num_q_heads, head_dim].
 
     Same contract as `ragged_paged_attention_reference` (rows of padding tokens are 0).
-    Knobs left as None come from `tuning.GPU_TUNING` for (head_dim, dtype): matmul rows
+    Knobs left as None come from `tuning` for (this GPU's kind, head_dim, dtype): matmul rows
     of decode items / prefill tiles, keys per inner step, (decode, prefill) warps and
     pipeline stages. `kv_splits` (decode items only) defaults to enough programs to fill
     `num_sms` twice (the device's SM count, or an H100's when it cannot be asked).
@@ -115,7 +115,7 @@ def _ragged_paged_attention_gpu(q, kv_cache, block_tables, context_lens, query_s
     head_dim, num_kv_heads = q.shape[2], kv_cache.shape[1]
     if not _is_power_of_2(head_dim) or head_dim < 16:
         raise ValueError(f"Pallas GPU attention: head_dim {head_dim} must be a power of 2 >= 16")
-    table = tuning.gpu_block_sizes(head_dim, q.dtype.name)
+    table = tuning.gpu_block_sizes(head_dim, q.dtype.name, device_kind=_device_kind())
     decode_rows = table.decode_rows if decode_rows is None else decode_rows
     prefill_rows = table.prefill_rows if prefill_rows is None else prefill_rows
     kv_block = table.kv_block if kv_block is None else kv_block
@@ -143,6 +143,12 @@ def _ragged_paged_attention_gpu(q, kv_cache, block_tables, context_lens, query_s
                      interpret=interpret, name=phase, **layout)
     return work_items.run_items(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
                                 decode_rows=decode_rows, prefill_rows=prefill_rows, kv_block=kv_block, call=call)
+
+
+def _device_kind() -> str | None:
+    """The GPU's kind, which keys the measured tuning tables; None off a GPU (cross-lowering, CPU interpret)."""
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else None
 
 
 def _device_sms() -> int:

@@ -74,7 +74,7 @@ def ragged_paged_attention_tpu(
     """Causal attention of each sequence's queries over its paged context -> [T, num_q_heads, head_dim].
 
     Same contract as `ragged_paged_attention_reference`. Knobs left as None come from
-    `tuning.TPU_TUNING` for (head_dim, dtype). `interpret=True` runs the kernel in the
+    `tuning` for (this TPU's kind, head_dim, dtype). `interpret=True` runs the kernel in the
     TPU interpreter (CPU tests).
     """
     return _ragged_paged_attention_tpu(
@@ -94,7 +94,7 @@ def _ragged_paged_attention_tpu(q, kv_cache, block_tables, context_lens, query_s
     sublanes = _sublanes(q.dtype) if q.dtype == kv_cache.dtype else 8
     work_items.check_pallas_inputs(q, kv_cache, kind="Pallas TPU attention", page_size_ok=lambda n: n % sublanes == 0,
                         page_size_rule=f"a multiple of {sublanes} (the sublane tiling of {q.dtype.name})")
-    table = tuning.tpu_block_sizes(q.shape[2], q.dtype.name)
+    table = tuning.tpu_block_sizes(q.shape[2], q.dtype.name, device_kind=_device_kind())
     decode_rows = table.decode_rows if decode_rows is None else decode_rows
     prefill_rows = table.prefill_rows if prefill_rows is None else prefill_rows
     kv_block = table.kv_block if kv_block is None else kv_block
@@ -108,6 +108,12 @@ def _ragged_paged_attention_tpu(q, kv_cache, block_tables, context_lens, query_s
                      interpret=interpret, name=phase, **layout)
     return work_items.run_items(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
                                 decode_rows=decode_rows, prefill_rows=prefill_rows, kv_block=kv_block, call=call)
+
+
+def _device_kind() -> str | None:
+    """The TPU's kind, which keys the measured tuning tables; None off a TPU (cross-lowering, CPU interpret)."""
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "tpu" else None
 
 
 def _call(items: work_items.WorkItems, *, kv_cache, tables, sm_scale, sliding_window, soft_cap,

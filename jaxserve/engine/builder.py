@@ -158,8 +158,9 @@ def resolve_attention_backend(config: EngineConfig, platform: str | None = None)
             self_check(backend, dtype=resolve_dtype(config.dtype, platform), page_size=config.block_size)
         except KernelSelfCheckError as e:
             if config.attention_backend != "auto":
-                raise ValueError(f"attention_backend={backend!r} is not trusted here: {e}. Choose another "
-                                 "--attention-backend (or skip the check: --no-attention-self-check)") from e
+                raise ValueError(f"attention_backend={backend!r} failed its start-up self-check, case {e.case!r}: "
+                                 f"{e.detail}; choose another --attention-backend (or skip the check with "
+                                 "--no-attention-self-check)") from e
             logger.warning("%s; attention backend auto falls back to 'reference'", e)
             backend = "reference"
     logger.info("attention backend: %s", backend)

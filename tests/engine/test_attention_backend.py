@@ -25,7 +25,8 @@ from jaxserve.engine.builder import resolve_attention_backend
     ("cpu", "gpu", 1, "cpu"),
 ])
 def test_resolution(requested, platform, tp, expected):
-    config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp)
+    # The rules only: the Pallas self-check (interpreted here) is tested in tests/kernels/test_self_check.py.
+    config = EngineConfig(attention_backend=requested, tensor_parallel_size=tp, attention_self_check=False)
     assert resolve_attention_backend(config, platform) == expected
 
 

@@ -4,7 +4,9 @@ input checks, and cross-lowering for CUDA.
 Interpret mode runs the kernel's own code (work-item planning, the grid, the page gathers
 through the block tables, the online softmax, the split-KV merge) but not Triton's
 compile to PTX; `test_lowers_for_cuda` covers the lowering to Triton IR. Timings and the
-PTX compile need a GPU (benchmarks/kernel_bench.py).
+PTX compile need a GPU (benchmarks/kernel_bench.py). On a GPU, `--pallas-on-device` runs
+the reference comparisons with the kernel compiled for it (tests/kernels/conftest.py;
+benchmarks/device_check.sh).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ CONFIGS = {
     "bf16_head_dim_128": (BF16, {**SMALL, "kv_block": 32}, ["mixed", "decode_only", "prefix_hit"]),
     "window_soft_cap": (LARGE_LOGITS, {**SMALL, **WINDOW_SOFT_CAP}, ["mixed", "prefix_hit"]),
 }
+DEVICE_PLATFORM = "gpu"   # under --pallas-on-device, test_matches_reference runs the kernel compiled for it
 CASES = [pytest.param(name, scenario, id=f"{name}-{scenario}")
          for name, (_, _, scenarios) in CONFIGS.items() for scenario in scenarios]
 
@@ -45,10 +48,10 @@ def sm_scale(args) -> float:
 
 
 @pytest.mark.parametrize("config, scenario", CASES)
-def test_matches_reference(config, scenario):
+def test_matches_reference(config, scenario, pallas_interpret):
     options, knobs, _ = CONFIGS[config]
     args = batch(scenario, **options)
-    got = run_compiled(ragged_paged_attention_gpu, args, sm_scale=sm_scale(args), interpret=True, **knobs)
+    got = run_compiled(ragged_paged_attention_gpu, args, sm_scale=sm_scale(args), interpret=pallas_interpret, **knobs)
     check_against_reference(got, scenario, options, sm_scale=sm_scale(args),
                             sliding_window=knobs.get("sliding_window"), soft_cap=knobs.get("soft_cap"))
 

@@ -6,7 +6,8 @@ VMEM scratch (uninitialised memory reads as NaN, so a wait on the wrong buffer s
 It does not run Mosaic's compiler (vector layouts, tiling), which needs a TPU; the
 cross-lowering test checks the lowering to Mosaic MLIR. The TPU interpreter is slow
 (~1.5 s per call here), so the GQA sweeps, which exercise code shared with the GPU
-kernel (work_items) and are swept there, are marked slow.
+kernel (work_items) and are swept there, are marked slow. On a TPU, `--pallas-on-device` runs
+the reference comparisons with the kernel compiled for it (tests/kernels/conftest.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CONFIGS = {
     "gqa_3": (GQA_3, SMALL, ["mixed"], [pytest.mark.slow]),
     "gqa_8_head_dim_128": (GQA_8_HEAD_DIM_128, SMALL, ["mixed"], [pytest.mark.slow]),
 }
+DEVICE_PLATFORM = "tpu"   # under --pallas-on-device, test_matches_reference runs the kernel compiled for it
 CASES = [pytest.param(name, scenario, id=f"{name}-{scenario}", marks=marks)
          for name, (_, _, scenarios, marks) in CONFIGS.items() for scenario in scenarios]
 
@@ -46,10 +48,10 @@ def sm_scale(args) -> float:
 
 
 @pytest.mark.parametrize("config, scenario", CASES)
-def test_matches_reference(config, scenario):
+def test_matches_reference(config, scenario, pallas_interpret):
     options, knobs, _, _ = CONFIGS[config]
     args = batch(scenario, **options)
-    got = run_compiled(ragged_paged_attention_tpu, args, sm_scale=sm_scale(args), interpret=True, **knobs)
+    got = run_compiled(ragged_paged_attention_tpu, args, sm_scale=sm_scale(args), interpret=pallas_interpret, **knobs)
     check_against_reference(got, scenario, options, sm_scale=sm_scale(args),
                             sliding_window=knobs.get("sliding_window"), soft_cap=knobs.get("soft_cap"))
 

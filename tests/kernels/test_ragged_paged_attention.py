@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.oracle import make_batch
 from kernels_pallas.ragged_paged_attention import (
     ragged_paged_attention_reference,
     write_kv_cache,
@@ -62,29 +63,6 @@ def naive_attention(q, kv_cache, block_tables, context_lens, query_start_loc, nu
                 weights = np.exp(scores - scores.max())
                 out[start + j, h] = weights @ vals[:, h // group] / weights.sum()
     return out
-
-
-def make_batch(seqs, *, seed=0, num_tokens=64, num_seq_slots=8, block_size=4, num_blocks=64,
-               max_blocks=16, num_kv_heads=2, group=2, head_dim=8):
-    """Random q and cache for sequences given as (context_len, q_len); blocks scattered at random.
-
-    Everything the attention must ignore is random too (padding q rows, block 0, the
-    unused tail of each sequence's last block), so leaks show up as errors.
-    """
-    rng = np.random.default_rng(seed)
-    assert sum(q for _, q in seqs) <= num_tokens and len(seqs) <= num_seq_slots
-    free = list(rng.permutation(np.arange(1, num_blocks)))  # block 0 is the null block
-    block_tables = np.zeros((num_seq_slots, max_blocks), np.int32)
-    for s, (ctx, _) in enumerate(seqs):
-        n = -(-ctx // block_size)
-        block_tables[s, :n] = [free.pop() for _ in range(n)]
-    context_lens = np.zeros(num_seq_slots, np.int32)
-    context_lens[:len(seqs)] = [ctx for ctx, _ in seqs]
-    q_lens = [q for _, q in seqs] + [0] * (num_seq_slots - len(seqs))
-    query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim), np.float32)
-    kv_cache = rng.standard_normal((2, num_kv_heads, num_blocks, block_size, head_dim), np.float32)
-    return q, kv_cache, block_tables, context_lens, query_start_loc, np.int32(len(seqs))
 
 
 DECODES = [(1, 1), (5, 1), (17, 1), (40, 1)]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.oracle import step_kv
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_cpu import ragged_paged_attention_cpu
 from tests.kernels.test_ragged_paged_attention import (ATOL, KNOBS, RTOL, SCENARIOS, SM_SCALE,
@@ -23,20 +24,6 @@ CPU_KNOBS = {
     "small_tiles": dict(q_block=4, **KNOBS["small_tiles"]),
     "odd_block": dict(q_block=24, query_tile=8, kv_pages_per_chunk=3),   # 64 rows = 2 tiles + 16 of padding
 }
-
-
-def step_kv(args, seed=1):
-    """This step's k/v [T, KVH, D]: each real row's own cache entry; padding rows random garbage."""
-    q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs = args
-    rng = np.random.default_rng(seed)
-    kv = rng.standard_normal((2, q.shape[0], kv_cache.shape[1], kv_cache.shape[4]), np.float32) * 50
-    block_size = kv_cache.shape[3]
-    for s in range(int(num_seqs)):
-        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        for row in range(start, end):
-            pos = int(context_lens[s]) - (end - row)
-            kv[:, row] = kv_cache[:, :, block_tables[s][pos // block_size], pos % block_size]
-    return kv[0], kv[1]
 
 
 def run_cpu(args, **kw):

