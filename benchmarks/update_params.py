@@ -1,6 +1,6 @@
 """`update_params` against building a new engine, and sleep / wake_up, on the default model.
 
-Builds one engine (`LLM()` with the given token buckets), then times, median of
+Builds one float32 engine (`LLM()` with the given token buckets), then times, median of
 `--repeats`, interleaved: `update_params` with a full set of new weights (the engine's
 own arrays x 1.01, already on device), `sleep()` + `wake_up()`, and building a fresh
 engine from the same weights (`LLM(params=...)`, which warms up; XLA's persistent cache
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--token-buckets", default="16,128")
     args = ap.parse_args(argv)
-    options = dict(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=512, num_kv_blocks=512,
+    options = dict(dtype="float32", max_num_batched_tokens=128, max_num_seqs=16, max_model_len=512, num_kv_blocks=512,
                    token_buckets=tuple(int(x) for x in args.token_buckets.split(",")))
     t0 = time.perf_counter()
     llm = LLM(**options)

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     folder, model = tiny_model_folder()
     graphdef, params = nnx.split(model, nnx.Param)
-    # The engine serves the trainer's own arrays (already on this device: nothing is copied).
-    llm = LLM(folder, params=params, max_num_seqs=args.rollouts, max_num_batched_tokens=256, max_model_len=64,
+    # The engine serves the trainer's own arrays (already on this device, in the trainer's dtype:
+    # nothing is copied).
+    llm = LLM(folder, params=params, dtype="float32", max_num_seqs=args.rollouts, max_num_batched_tokens=256, max_model_len=64,
               num_kv_blocks=64, token_buckets=(16, 64, 256))
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
