@@ -104,15 +104,12 @@ class EngineResponse(Response):
         Every accepted stream is in self.streams at once, so that cancelling or failing
         the rest still closes it.
         """
-        limit = self.engine.max_num_queued_requests
-        total = sum(params.n for _, params in self.items)
-        if limit is not None and total > limit:
-            raise RequestError(f"the request asks for {total} sequences (n x prompts); the server queues at most "
-                               f"{limit} (--max-num-queued-requests)", param="n")
-        if limit is not None and self.engine.num_sequences_in_flight + total > limit:
-            raise as_request_error(QueueFullError(
-                f"the engine has {self.engine.num_sequences_in_flight} sequences in flight and this request adds "
-                f"{total}; the limit (--max-num-queued-requests) is {limit}"))
+        try:
+            self.engine.check_room(sum(params.n for _, params in self.items))
+        except QueueFullError as e:
+            raise as_request_error(e) from e
+        except ValueError as e:     # more sequences than the queue ever holds
+            raise RequestError(str(e), param="n") from e
 
         async def add(prompt, params):
             stream = await self.engine.add_request(prompt, params, new_id("req"), priority=self.priority,

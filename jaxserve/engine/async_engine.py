@@ -118,10 +118,9 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         accepted = loop.create_future()
         with self._lock:
-            limit = self.max_num_queued_requests
-            if limit is not None and self._num_seqs + params.n > limit:
-                raise QueueFullError(f"the engine has {self._num_seqs} sequences in flight and this request "
-                                     f"adds {params.n}; the limit (--max-num-queued-requests) is {limit}")
+            full = self._queue_full(params.n)
+            if full is not None:
+                raise full
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, stream.queue, params.n)
@@ -135,6 +134,27 @@ class AsyncEngine:
             stream.close(abort=True)
             raise
         return stream
+
+    def check_room(self, num_sequences: int) -> None:
+        """Raise unless `num_sequences` more fit under --max-num-queued-requests now: ValueError if
+        they never could, QueueFullError if they must wait for others to finish. A request of
+        several prompts checks its whole size here before adding any of them."""
+        limit = self.max_num_queued_requests
+        if limit is not None and num_sequences > limit:
+            raise ValueError(f"the request asks for {num_sequences} sequences (n x prompts); the server queues "
+                             f"at most {limit} (--max-num-queued-requests)")
+        with self._lock:
+            full = self._queue_full(num_sequences)
+        if full is not None:
+            raise full
+
+    def _queue_full(self, num_sequences: int) -> QueueFullError | None:
+        """The error if `num_sequences` more would pass the limit (the caller holds the lock)."""
+        limit = self.max_num_queued_requests
+        if limit is None or self._num_seqs + num_sequences <= limit:
+            return None
+        return QueueFullError(f"the engine has {self._num_seqs} sequences in flight and this request adds "
+                              f"{num_sequences}; the limit (--max-num-queued-requests) is {limit}")
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:

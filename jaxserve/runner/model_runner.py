@@ -131,11 +131,9 @@ class ModelRunner:
 
         self.graphdef, params = nnx.split(model)
         self.params = shard_params(params, self.mesh)      # by sharding.PARAM_RULES (no-op if already placed)
-        kv_shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
         kv_sharding = kv_cache_sharding(self.mesh)
         self.kv_dtype = kv_pool_dtype(kv_dtype, config.attention_backend)   # uint16 bits for bf16 on CPU
-        self.kv_caches = [jnp.zeros(kv_shape, self.kv_dtype, device=kv_sharding)
-                          for _ in range(config.num_hidden_layers)]
+        self.restore_kv_pool()
         # Pin the returned pool to the pool's own sharding; otherwise XLA may pick another
         # and the next call, seeing a new input sharding, would compile again.
         rep = replicated(self.mesh)
@@ -173,7 +171,8 @@ class ModelRunner:
         return freed
 
     def restore_kv_pool(self) -> None:
-        """A zeroed KV pool of the same shape, dtype and sharding (so the compiled steps still fit)."""
+        """A zeroed KV pool, always of the same shape, dtype and sharding (so the compiled steps fit);
+        also how the pool is made at start."""
         shape = (2, self.config.num_key_value_heads, self.num_blocks, self.block_size, self.config.head_dim)
         sharding = kv_cache_sharding(self.mesh)
         self.kv_caches = [jnp.zeros(shape, self.kv_dtype, device=sharding)
