@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from jaxserve.core import EngineCoreOutput, Logprobs, SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.output_processor import OutputProcessor
 
 
@@ -84,15 +85,10 @@ class ScriptedEngine:
             self.output_processor.abort(request_id, time.monotonic())
         return []
 
-    def abort_all(self):
-        return self.abort_request(self.output_processor.request_ids)
-
-    def has_unfinished_requests(self) -> bool:
-        return len(self.output_processor) > 0
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.output_processor)
+    # What reads only the OutputProcessor is the real engine's own code.
+    abort_all = LLMEngine.abort_all
+    has_unfinished_requests = LLMEngine.has_unfinished_requests
+    num_unfinished_requests = LLMEngine.num_unfinished_requests
 
     def stats(self) -> dict[str, float]:
         running = float(len(self._cores))
