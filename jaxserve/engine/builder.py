@@ -174,10 +174,10 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
     t0 = time.perf_counter()
     if config.num_processes > 1:   # before anything touches a device
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-    attention_backend = resolve_attention_backend(config)
-    if config.dtype == "auto":
+    if config.dtype == "auto":   # first: the backend's self-check runs in the dtype the engine will use
         config = dataclasses.replace(config, dtype=resolve_dtype("auto", jax.devices()[0].platform))
         logger.info("dtype auto: %s on %s", config.dtype, jax.devices()[0].device_kind)
+    attention_backend = resolve_attention_backend(config)
     enable_compilation_cache(config.compilation_cache_dir)
     checkpoint = load_checkpoint(config.model)
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
