@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.core.kv_transfer import KV_ROLES, LOAD_FAILURE_POLICIES
+
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)     # "auto": resolved per device at start-up (jaxserve.engine.devices)
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
@@ -44,6 +46,11 @@ class EngineConfig:
                                               # self_check); False skips it (e.g. to debug a kernel)
     seed: int = 0                             # seeds parameter init for random models; not sampling
     compilation_cache_dir: str | None = None  # persistent XLA cache (default: under the user's cache dir)
+    # Disaggregated prefill/decode (jaxserve.core.kv_transfer): a producer exports the KV blocks of its
+    # prefills, a consumer pulls them; None: an ordinary instance.
+    kv_role: str | None = None                # "producer" | "consumer" | None
+    kv_lease_seconds: float = 30.0            # producer: how long an export waits for its pull
+    kv_load_failure_policy: str = "recompute" # consumer: a failed pull "recompute"s the prompt or "fail"s it
     # Multi-host: one engine over the devices of `num_processes` processes (jax.distributed);
     # process 0 schedules and serves, the others follow its steps.
     coordinator_address: str | None = None    # "host:port" of process 0's coordinator
@@ -86,6 +93,13 @@ class EngineConfig:
                              "a multi-process engine runs one replica spanning every process's devices")
         if not isinstance(self.background_warmup_after, int) or self.background_warmup_after < 0:
             raise ValueError(f"background_warmup_after={self.background_warmup_after!r} must be an integer >= 0")
+        if self.kv_role not in (None, *KV_ROLES):
+            raise ValueError(f"kv_role={self.kv_role!r} must be one of {KV_ROLES} or None")
+        if not self.kv_lease_seconds > 0:
+            raise ValueError(f"kv_lease_seconds={self.kv_lease_seconds!r} must be > 0")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy={self.kv_load_failure_policy!r} must be one of "
+                             f"{LOAD_FAILURE_POLICIES}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer >= 0")
 

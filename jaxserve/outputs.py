@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core import Logprobs
+from jaxserve.core.kv_transfer import KVTransferParams
 
 
 @dataclasses.dataclass
@@ -67,6 +68,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob}, None for the first.
     # A DELTA output carries the entries computed since the last output.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A producer's finished request (kv role "produce"): the export a consumer pulls.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 def logprobs_dict(token_id: int, lp: Logprobs) -> dict[int, float]:
