@@ -61,11 +61,12 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVCacheBlock] | None = None,
-                       num_computed_tokens: int | None = None) -> list[int] | None:
+                       num_computed_tokens: int | None = None, *, cache: bool = True) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens; returns the new block ids, or None if the pool is short.
 
         `computed_blocks` are prefix-cache hits for a request being admitted; they cover
-        `num_computed_tokens` tokens.
+        `num_computed_tokens` tokens. `cache=False` leaves the new blocks out of the prefix
+        cache (blocks a KV pull fills later: `cache_loaded_blocks` registers them once written).
         """
         req_id = request.request_id
         held = self.req_to_blocks.get(req_id, ())
@@ -90,8 +91,13 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if req_id not in self.num_cached_blocks:
             self.num_cached_blocks[req_id] = num_hits
-        self._cache_full_blocks(request, blocks, total)
+        if cache:
+            self._cache_full_blocks(request, blocks, total)
         return [b.block_id for b in new_blocks]
+
+    def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks up to `num_tokens` once their KV is in the pool (a pull landed)."""
+        self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register blocks that will be full once this step's tokens are written."""

@@ -66,17 +66,20 @@ class Export:
 class ExportRegistry:
     """Exports by transfer id, each under a lease that a pull or a heartbeat renews."""
 
-    def __init__(self, lease_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lease_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 stats: "KVTransferStats | None" = None) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds={lease_seconds!r} must be > 0")
         self.lease_seconds = lease_seconds
         self._clock = clock
         self._exports: dict[str, Export] = {}
         self._lock = threading.Lock()
-        self.num_expired = 0
+        self.stats = stats
 
     def __len__(self) -> int:
+        """Exports held (expired ones are dropped first)."""
         with self._lock:
+            self._expire_locked()
             return len(self._exports)
 
     @property
@@ -123,7 +126,10 @@ class ExportRegistry:
 
     def release(self, transfer_id: str) -> bool:
         with self._lock:
-            return self._exports.pop(transfer_id, None) is not None
+            found = self._exports.pop(transfer_id, None) is not None
+        if found and self.stats is not None:
+            self.stats.record("released")
+        return found
 
     def expire(self) -> int:
         """Drop exports whose lease ran out; returns how many."""
@@ -135,7 +141,8 @@ class ExportRegistry:
         dead = [t for t, e in self._exports.items() if e.expires_at <= now and e.pulls == 0]
         for t in dead:
             del self._exports[t]
-        self.num_expired += len(dead)
+            if self.stats is not None:
+                self.stats.record("expired")
         return len(dead)
 
 
@@ -144,3 +151,72 @@ def blocks_to_load(num_prompt_tokens: int, block_size: int, num_remote_blocks: i
     full blocks, but never the block holding the last prompt token (the consumer computes at least
     that token itself, so it samples the first output token as a single instance would)."""
     return max(min(num_remote_blocks, (num_prompt_tokens - 1) // block_size), num_local_blocks)
+
+
+@dataclasses.dataclass
+class KVLoad:
+    """A consumer's pull, decided by the scheduler: fill `block_ids` with the producer's blocks
+    [first_block, first_block + len(block_ids)) of the request's prompt."""
+
+    request_id: str
+    params: KVTransferParams
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class KVExport:
+    """A producer's finished request whose first `len(block_ids)` prompt blocks are to be exported."""
+
+    request_id: str
+    params: KVTransferParams
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+class KVTransferStats:
+    """Counters of one instance's transfers, for /metrics (jaxserve:kv_transfers_total by outcome,
+    jaxserve:kv_transfer_bytes_total, the jaxserve:kv_transfer_seconds histogram).
+
+    Outcomes on a producer: "exported" (blocks gathered for a consumer), "sent" (a complete
+    pull served), "broken" (a pull cut off), "expired" (a lease ran out), "released"; on a
+    consumer: "received", "failed", "not_needed" (its prefix cache held every block).
+    Updated from the engine thread and the gRPC threads, hence the lock.
+    """
+
+    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.outcomes: dict[str, int] = {}
+        self.bytes = 0
+        self.bucket_counts = [0] * len(self.BUCKETS)    # observations <= each bound (cumulative)
+        self.count = 0
+        self.seconds_sum = 0.0
+
+    def record(self, outcome: str, nbytes: int = 0, seconds: float | None = None) -> None:
+        with self._lock:
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+            self.bytes += nbytes
+            if seconds is not None:
+                self.count += 1
+                self.seconds_sum += seconds
+                for i, bound in enumerate(self.BUCKETS):
+                    if seconds <= bound:
+                        self.bucket_counts[i] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"outcomes": dict(self.outcomes), "bytes": self.bytes, "count": self.count,
+                    "sum": self.seconds_sum, "buckets": list(zip(self.BUCKETS, self.bucket_counts))}
+
+
+class IncompatibleKVError(ValueError):
+    """The producer's KV blocks cannot be used here (another model, dtype, block size or layout)."""
+
+
+class UnknownTransferError(KeyError):
+    """No export of that transfer id (never made, already pulled, released, or its lease ran out)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown transfer"

@@ -10,6 +10,7 @@ import enum
 import time
 
 from jaxserve.core.hashing import BlockHash, hash_block_tokens
+from jaxserve.core.kv_transfer import KVTransferParams
 from jaxserve.core.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()   # holds blocks while a producer's KV is pulled into them
     FINISHED_STOPPED = enum.auto()        # EOS or a stop token / stop string
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()        # aborted by the caller
@@ -50,6 +52,8 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
+        wait_for: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
@@ -60,6 +64,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Disaggregated prefill/decode: a producer exports the prompt's blocks when this request
+        # finishes; a consumer pulls them before computing the rest (once: kv_load_pending).
+        self.kv_transfer = kv_transfer
+        self.kv_load_pending = kv_transfer is not None and kv_transfer.role == "consume"
+        self.wait_for = wait_for       # a sibling whose KV pull this request waits for (n > 1 on a consumer)
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output

@@ -6,6 +6,13 @@ prefill) as far as the budget allows, then admits waiting requests after a prefi
 lookup. Mixed batches and chunked prefill fall out of that one rule. When blocks run
 out, the newest (or lowest-priority) running request is preempted and recomputed
 later. `update_from_output()` appends the sampled tokens and applies stop checks.
+
+Disaggregated prefill/decode (jaxserve.core.kv_transfer): a consumer's request that carries
+a producer's export is admitted by allocating blocks for the prompt blocks its own prefix
+cache lacks, then parks in WAITING_FOR_REMOTE_KV (off the budget and the sequence cap)
+until the engine reports the pull written (`finish_kv_load`); it then waits again, holding
+its blocks, and continues as a prefix-cache hit. A producer's finished request leaves a
+`KVExport` (its full prompt blocks) for the engine to gather before the next step.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import random
 
 from jaxserve.core.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxserve.core.kv_transfer import KVExport, KVLoad, blocks_to_load
 from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
                                    NewRequestData, SchedulerOutput)
 from jaxserve.core.request import Request, RequestStatus
@@ -33,6 +41,9 @@ class Scheduler:
         self._rng = random.Random()
         # A lower token budget while the runner still compiles its larger buckets (None: no cap).
         self.token_budget_cap: int | None = None
+        self.loading: dict[str, Request] = {}       # WAITING_FOR_REMOTE_KV, by request id
+        self._kv_loads: list[KVLoad] = []           # pulls to start (take_kv_loads)
+        self._kv_exports: list[KVExport] = []       # finished producer requests (take_kv_exports)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -67,6 +78,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.loading[req_id]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -76,7 +89,7 @@ class Scheduler:
         self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
 
     @property
     def num_running(self) -> int:
@@ -87,6 +100,13 @@ class Scheduler:
         return len(self.waiting)
 
     def _free(self, request: Request) -> None:
+        kv = request.kv_transfer
+        if (kv is not None and kv.role == "produce" and request.status != RequestStatus.FINISHED_ABORTED
+                and request.num_computed_tokens >= request.num_prompt_tokens):
+            # The blocks stay intact until the next step allocates: the engine gathers them first.
+            n = min(request.num_prompt_tokens // self.config.block_size, len(request.block_hashes))
+            self._kv_exports.append(KVExport(request.request_id, kv, self.kv.get_block_ids(request.request_id)[:n],
+                                             request.block_hashes[:n]))
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self.seeds.pop(request.request_id, None)
@@ -131,7 +151,20 @@ class Scheduler:
         # Then waiting requests, unless this step had to preempt.
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            if request.wait_for in self.loading:
+                break   # a sibling's pull brings this prompt's blocks: wait for it (FCFS keeps the order)
+            if request.request_id in self.kv.req_to_blocks:
+                # Holds blocks a KV pull filled (or tried to): no prefix lookup, no second count.
+                computed_blocks, num_computed = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            if request.kv_load_pending:
+                admitted = self._admit_kv_load(request, computed_blocks, num_computed)
+                if admitted is None:
+                    break      # the pool is short: the request waits (it is not refused)
+                if admitted:
+                    continue   # parked in WAITING_FOR_REMOTE_KV
+                # Nothing to pull (the prefix cache has it all): an ordinary admission.
             remaining = request.num_tokens - num_computed
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
@@ -170,6 +203,55 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
         )
+
+    def _admit_kv_load(self, request: Request, computed_blocks, num_computed: int) -> bool | None:
+        """Allocate blocks for the prompt blocks a pull brings and park the request; False if the
+        prefix cache already holds them all, None if the pool is short."""
+        bs, kv = self.config.block_size, request.kv_transfer
+        num_local = num_computed // bs
+        target = blocks_to_load(request.num_prompt_tokens, bs, kv.num_full_blocks, num_local)
+        request.kv_load_pending = False
+        if target == num_local:
+            self._kv_loads.append(KVLoad(request.request_id, kv, num_local, []))   # only releases the export
+            return False
+        if self.kv.allocate_slots(request, target * bs - num_computed, computed_blocks, num_computed,
+                                  cache=False) is None:
+            request.kv_load_pending = True
+            return None
+        self.waiting.pop()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0 and self.config.enable_prefix_caching:
+            self.kv.record_prefix_lookup(request.num_tokens, num_computed)
+        self.loading[request.request_id] = request
+        self._kv_loads.append(KVLoad(request.request_id, kv, num_local,
+                                     self.kv.get_block_ids(request.request_id)[num_local:target]))
+        return True
+
+    def finish_kv_load(self, request_id: str, ok: bool) -> bool:
+        """A pull for a parked request ended: with `ok` its blocks now hold the producer's KV (the
+        engine wrote them), else they hold nothing and the prompt is computed here. The request
+        waits again, first in line, keeping its blocks. False if it is no longer parked (aborted)."""
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return False
+        if ok:
+            num_loaded = len(self.kv.req_to_blocks[request_id]) * self.config.block_size
+            request.num_computed_tokens = num_loaded
+            self.kv.cache_loaded_blocks(request, num_loaded)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.WAITING
+        self.waiting.prepend(request)
+        return True
+
+    def take_kv_loads(self) -> list[KVLoad]:
+        loads, self._kv_loads = self._kv_loads, []
+        return loads
+
+    def take_kv_exports(self) -> list[KVExport]:
+        exports, self._kv_exports = self._kv_exports, []
+        return exports
 
     def _chunk(self, remaining: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold

@@ -11,20 +11,35 @@ With data_parallel_size > 1 the engine holds several replicas (scheduler + runne
 own devices); each new request is routed to one (jaxserve.engine.routing), and a step launches every
 replica's work before collecting any. In a multi-process engine, process 0 runs this
 loop and publishes each step's scheduler outputs; the others call `follow()`.
+
+Disaggregated prefill/decode (`kv_role`): a producer gathers each finished "produce"
+request's full prompt blocks into its `exports` (a host copy under a lease) right after
+the step that finished it, before any later step can reuse the blocks, and puts the
+transfer's parameters on the request's final output. A consumer's "consume" requests are
+parked by the scheduler while `kv_connector` pulls the blocks; each step first writes the
+pulls that landed into the pool (engine thread only) and lets their requests continue.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import hashlib
+import json
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.config import EngineConfig
 from jaxserve.core import Request, RequestStatus, SamplingParams
+from jaxserve.core.kv_transfer import ExportRegistry, IncompatibleKVError, KVTransferParams, KVTransferStats
 from jaxserve.engine.builder import Replica, build_engine_parts
+from jaxserve.engine.kv_connector import KVConnector, PullResult
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.routing import route
 from jaxserve.engine.weights import checked_update, flat_params
@@ -34,6 +49,8 @@ from sharding import replicate_kv_heads
 from sharding.distributed import STOP, StepChannel
 
 PromptType = str | list[int] | dict
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -64,6 +81,28 @@ class LLMEngine:
             atexit.register(self.shutdown)
         self.num_prompt_tokens_total = 0      # prompt tokens computed (not served from the cache)
         self.num_generation_tokens_total = 0
+        self.kv_role = self.config.kv_role
+        self.compat_hash = compat_hash(self._checkpoint_model_config, self.model_name, self.config)
+        self.kv_stats = KVTransferStats()
+        self.exports: ExportRegistry | None = None
+        self.kv_connector: KVConnector | None = None
+        if self.kv_role is not None:
+            self._start_kv_role()
+
+    def _start_kv_role(self) -> None:
+        if self._channel is not None:
+            raise ValueError(f"--kv-role {self.kv_role} is for single-process engines (this one spans "
+                             f"{self.config.num_processes} processes)")
+        if self.kv_role == "producer":
+            self.exports = ExportRegistry(self.config.kv_lease_seconds, stats=self.kv_stats)
+        else:
+            self.kv_connector = KVConnector(self.compat_hash)
+            atexit.register(self.kv_connector.close)
+        t0 = time.perf_counter()
+        for replica in self.replicas:
+            replica.runner.warmup_kv_transfer("gather" if self.kv_role == "producer" else "write")
+        logger.info("kv role %s: block %s compiled in %.1f s; compat hash %s", self.kv_role,
+                    "gathers" if self.kv_role == "producer" else "writes", time.perf_counter() - t0, self.compat_hash)
 
     @classmethod
     def from_kwargs(cls, model=None, params: Any = None, **kwargs) -> "LLMEngine":
@@ -88,7 +127,10 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    kv_transfer: KVTransferParams | None = None) -> None:
+        """`kv_transfer`: role "produce" on a producer (export the prompt's blocks when it finishes;
+        n must be 1) or "consume" on a consumer (pull them from the producer first)."""
         if self.sleep_level:
             raise RuntimeError("the engine is asleep (sleep() released its memory): call wake_up() first")
         params = params or SamplingParams()
@@ -106,6 +148,10 @@ class LLMEngine:
             raise ValueError(f"priority={priority} needs --scheduling-policy priority (the engine runs "
                              f"{self.scheduler.config.policy!r})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if kv_transfer is not None and kv_transfer.role is None:
+            kv_transfer = None
+        if kv_transfer is not None:
+            self._check_kv_transfer(kv_transfer, params)
         eos = self.tokenizer.eos_token_ids
         wanted = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         taken = [c for c in wanted if c in self._replica_of or self.output_processor.request_of(c) is not None]
@@ -116,8 +162,12 @@ class LLMEngine:
             seq_params = params
             if params.n > 1 and params.seed is not None:
                 seq_params = params.clone(seed=params.seed + i)   # distinct, reproducible siblings
+            # One sibling pulls the prompt's blocks; the others wait for it and share them.
             request = Request(core_id, token_ids, seq_params, eos_token_ids=eos, arrival_time=arrival,
-                              priority=priority, cache_salt=cache_salt)
+                              priority=priority, cache_salt=cache_salt, kv_transfer=kv_transfer if i == 0 else None,
+                              wait_for=core_ids[0] if i and kv_transfer is not None else None)
+            if i == 0 and kv_transfer is not None and kv_transfer.role == "consume":
+                self._check_same_prompt(request, kv_transfer)
             # Siblings share the replica (and the prompt's blocks).
             replica = replica or route(self.replicas, request, block_size=self.scheduler.config.block_size,
                                        max_num_seqs=self.config.max_num_seqs)
@@ -128,11 +178,37 @@ class LLMEngine:
                 raise
             self._replica_of[core_id] = replica
             core_ids.append(core_id)
+            if request.kv_load_pending:
+                self.kv_connector.watch(core_id, kv_transfer)   # renew the lease while it waits
         try:
             self.output_processor.add(request_id, text, token_ids, params, core_ids, arrival)
         except Exception:
             self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
             raise
+
+    def _check_kv_transfer(self, kv: KVTransferParams, params: SamplingParams) -> None:
+        wanted = "producer" if kv.role == "produce" else "consumer"
+        if self.kv_role != wanted:
+            raise ValueError(f"kv transfer role {kv.role!r} needs an instance started with --kv-role {wanted} "
+                             f"(this one: {self.kv_role or 'no kv role'})")
+        if kv.role == "produce":
+            if params.n != 1:
+                raise ValueError(f"a request that produces KV for a transfer must have n=1, got n={params.n}")
+            return
+        if kv.compat_hash != self.compat_hash:
+            raise IncompatibleKVError(
+                f"the producer's KV blocks (compat hash {kv.compat_hash or 'none'}) cannot be used by this consumer "
+                f"(compat hash {self.compat_hash}: {self.model_name}, dtype {self.config.dtype}, block size "
+                f"{self.config.block_size}); run both with the same model, --dtype and --block-size")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt computed here: send it without kv transfer params")
+
+    def _check_same_prompt(self, request: Request, kv: KVTransferParams) -> None:
+        request.update_block_hashes(self.scheduler.config.block_size)
+        n = min(kv.num_full_blocks, len(request.block_hashes))
+        if request.block_hashes[:n] != list(kv.block_hashes[:n]):
+            raise ValueError("the producer's KV blocks are of another prompt (their block hashes differ from this "
+                             "request's): send the consumer the producer's prompt_token_ids and the same cache_salt")
 
     def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
         """Engine-dependent limits of SamplingParams (the vocabulary, max_logprobs, banned-id slots)."""
@@ -157,6 +233,7 @@ class LLMEngine:
         outputs, now = [], time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             core_ids = self.output_processor.core_ids(request_id)
+            self._drop_kv_transfers(core_ids)
             self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
             out = self.output_processor.abort(request_id, now)
             if out is not None:
@@ -173,6 +250,17 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.output_processor)
 
+    def _drop_kv_transfers(self, core_ids: list[str]) -> None:
+        """Release the exports that aborted consume requests will never pull."""
+        if self.kv_connector is None:
+            return
+        for core_id in core_ids:
+            replica = self._replica_of.get(core_id)
+            request = replica.scheduler.requests.get(core_id) if replica is not None else None
+            self.kv_connector.unwatch(core_id)
+            if request is not None and request.kv_load_pending:
+                self.kv_connector.release(request.kv_transfer)
+
     # ---- one step --------------------------------------------------------------------
 
     def _finish_core(self, core_ids: list[str], status: RequestStatus) -> None:
@@ -182,6 +270,7 @@ class LLMEngine:
                 replica.scheduler.finish_requests([core_id], status)
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._land_kv_pulls(self.kv_connector.done()) if self.kv_connector is not None else []
         now = time.monotonic()
         for replica in self.replicas:   # while larger buckets still compile in the background
             replica.scheduler.token_budget_cap = replica.runner.ready_budget
@@ -195,6 +284,11 @@ class LLMEngine:
                 state = self.output_processor.request_of(new.req_id)
                 if state is not None and state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
+        if self.kv_connector is not None:
+            self._start_kv_pulls()
+            if all(so.is_empty for _, so in plans) and self.kv_connector.num_pending:
+                # Only pulls are in flight: wait for one instead of spinning.
+                return outputs + self._land_kv_pulls(self.kv_connector.done(timeout=0.05))
         if self._channel is not None:
             self._channel.publish([so for _, so in plans])
         # Every replica's step is dispatched before any result is awaited: replicas run together.
@@ -206,8 +300,83 @@ class LLMEngine:
             if co.finished:
                 self._replica_of.pop(co.req_id, None)
             self.num_generation_tokens_total += len(co.new_token_ids)
-        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        processed, stopped = self.output_processor.process(core_outputs, time.monotonic())
         self._finish_core(stopped, RequestStatus.FINISHED_STOPPED)   # stop strings end them here
+        if self.exports is not None:
+            self._export_kv(processed)
+        return outputs + processed
+
+    def _export_kv(self, outputs: list[RequestOutput]) -> None:
+        """Gather the blocks of the produce requests that just finished (before any later step reuses
+        them) into host exports, and put the transfer on each one's final output."""
+        exported = {}
+        for replica in self.replicas:
+            for ex in replica.scheduler.take_kv_exports():
+                n = len(ex.block_ids)
+                if n:
+                    payload = self._canonical(replica.runner.gather_blocks(ex.block_ids))
+                    self.exports.add(ex.params.transfer_id, payload, self.config.dtype, n, payload.nbytes)
+                    self.kv_stats.record("exported", payload.nbytes)
+                exported[ex.request_id] = dataclasses.replace(
+                    ex.params, num_full_blocks=n, block_hashes=ex.block_hashes, block_size=self.config.block_size,
+                    compat_hash=self.compat_hash, lease_seconds=self.config.kv_lease_seconds)
+        for out in outputs:
+            if out.request_id in exported:
+                out.kv_transfer_params = exported[out.request_id]
+        self.exports.expire()
+
+    def _canonical(self, blocks: np.ndarray) -> np.ndarray:
+        """Pool blocks -> the transfer layout: the logical dtype (the CPU pool keeps bfloat16 as
+        uint16 bits), each checkpoint KV head once (tp > KV heads repeats them in the pool)."""
+        blocks = blocks.view(jnp.dtype(self.config.dtype))
+        return np.ascontiguousarray(blocks[:, :, :, ::self._kv_head_replicas])
+
+    def _pool_blocks(self, payload: np.ndarray, runner) -> np.ndarray:
+        """The transfer layout -> this pool's blocks (the inverse of `_canonical`)."""
+        if payload.dtype != jnp.dtype(self.config.dtype):
+            raise ValueError(f"the producer sent {payload.dtype} blocks; this pool holds {self.config.dtype}")
+        if self._kv_head_replicas > 1:
+            payload = np.repeat(payload, self._kv_head_replicas, axis=3)
+        return payload.view(runner.kv_dtype)
+
+    def _start_kv_pulls(self) -> None:
+        for replica in self.replicas:
+            for load in replica.scheduler.take_kv_loads():
+                if load.block_ids:
+                    self.kv_connector.start(replica, load)
+                else:   # the prefix cache held every block
+                    self.kv_connector.unwatch(load.request_id)
+                    self.kv_stats.record("not_needed")
+                    if load.params.num_full_blocks:
+                        self.kv_connector.release(load.params)
+
+    def _land_kv_pulls(self, results: list[PullResult]) -> list[RequestOutput]:
+        """Write landed pulls into the pool and let their requests go on; returns the outputs of
+        requests a failed pull ended (--kv-load-failure-policy fail)."""
+        outputs = []
+        for r in results:
+            scheduler, runner = r.replica.scheduler, r.replica.runner
+            if r.load.request_id not in scheduler.loading:
+                continue    # aborted while its pull ran: its blocks may belong to another request now
+            error = r.error
+            if error is None:
+                try:
+                    runner.write_blocks(r.load.block_ids, self._pool_blocks(r.payload, runner))
+                except ValueError as e:
+                    error = str(e)
+            self.kv_stats.record("received" if error is None else "failed", r.nbytes, r.seconds)
+            if error is None:
+                scheduler.finish_kv_load(r.load.request_id, ok=True)
+                continue
+            logger.warning("pulling the KV of request %s from %s failed (%s); %s", r.load.request_id,
+                           r.load.params.producer_address, error,
+                           "computing its prompt here" if self.config.kv_load_failure_policy == "recompute"
+                           else "the request fails (--kv-load-failure-policy fail)")
+            scheduler.finish_kv_load(r.load.request_id, ok=False)
+            if self.config.kv_load_failure_policy == "fail":
+                state = self.output_processor.request_of(r.load.request_id)
+                if state is not None:
+                    outputs += self.abort_request(state.request_id)
         return outputs
 
     def compile_clock(self) -> tuple[bool, float]:
@@ -302,6 +471,18 @@ class LLMEngine:
             "prefix_cache_hits": sum(s.kv.stats.hits for s in schedulers),
             "num_preemptions": sum(s.num_preemptions for s in schedulers),
             "compiles_after_warmup": sum(r.runner.compiles_after_warmup for r in self.replicas),
+            "num_waiting_for_kv": sum(len(s.loading) for s in schedulers),
+            "num_kv_exports": len(self.exports) if self.exports is not None else 0,
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
         }
+
+
+def compat_hash(model_config, model_name: str, config: EngineConfig) -> str:
+    """Equal on two engines whose KV blocks are interchangeable: the same model (architecture and
+    checkpoint name), KV dtype and block size. Tensor parallelism does not enter it: transfers
+    use a layout independent of it."""
+    fields = {k: v for k, v in dataclasses.asdict(model_config).items() if k != "attention_backend"}
+    key = json.dumps({"model": fields, "name": model_name, "dtype": config.dtype, "block_size": config.block_size},
+                     sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -12,6 +12,12 @@ more input, three more outputs: logits at every scheduled position, not only the
 each sequence). It is compiled per token bucket on first use, outside warm-up, so the
 first such request of a bucket waits for one compile; steps without prompt logprobs
 never run it and cost what they did.
+
+Disaggregated prefill/decode moves whole KV blocks between engines: `gather_blocks` copies
+blocks out of the pool into a host array in the canonical layout [blocks, layers, 2,
+kv_heads, block_size, head_dim] (the same on any mesh), `write_blocks` scatters such an
+array into the pool (donated). Both are padded to power-of-two block counts, compiled by
+`warmup_kv_transfer`.
 """
 
 from __future__ import annotations
@@ -101,6 +107,17 @@ def _prompt_logprobs(model, hidden: jax.Array, prompt: PromptLogprobsInputs, k: 
             top_lps.reshape(-1, k)[:num_tokens])
 
 
+def _gather_blocks(kv_caches: list[jax.Array], block_ids: jax.Array) -> jax.Array:
+    """[P, layers, 2, kv_heads, block_size, head_dim] of the pool's blocks `block_ids` [P]."""
+    return jnp.stack([c[:, :, block_ids] for c in kv_caches]).transpose(3, 0, 1, 2, 4, 5)
+
+
+def _write_blocks(kv_caches: list[jax.Array], block_ids: jax.Array, blocks: jax.Array) -> list[jax.Array]:
+    """The pool with `blocks` [P, layers, 2, kv_heads, block_size, head_dim] written at `block_ids` [P]."""
+    per_layer = blocks.transpose(1, 2, 3, 0, 4, 5)                  # [layers, 2, kv_heads, P, bs, hd]
+    return [c.at[:, :, block_ids].set(per_layer[i]) for i, c in enumerate(kv_caches)]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -141,6 +158,9 @@ class ModelRunner:
         kv_out = [kv_sharding] * config.num_hidden_layers
         self.step = jax.jit(step, donate_argnums=(1,), out_shardings=(kv_out, *[rep] * 4))
         self.prompt_logprobs_step = jax.jit(step, donate_argnums=(1,), out_shardings=(kv_out, *[rep] * 7))
+        self._gather = jax.jit(_gather_blocks, out_shardings=rep)
+        self._write = jax.jit(_write_blocks, donate_argnums=(0,), out_shardings=kv_out)
+        self._kv_transfer_executables: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.states: dict[str, RequestState] = {}
         self._executables: dict[int, jax.stages.Compiled] = {}   # token bucket -> compiled step
         # token bucket -> compiled prompt-logprobs variant, compiled on first use (not a late
@@ -189,6 +209,62 @@ class ModelRunner:
         self.replace_params({path: jax.device_put(host, sharding)
                              for path, (host, sharding) in self._offloaded.items()})
         self._offloaded = None
+
+    # ---- whole blocks in and out (disaggregated prefill/decode) -------------------------
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block in the canonical transfer layout: [layers, 2, kv_heads, block_size, head_dim]."""
+        c = self.config
+        return (c.num_hidden_layers, 2, c.num_key_value_heads, self.block_size, c.head_dim)
+
+    def _block_counts(self) -> list[int]:
+        n, counts = 1, []
+        while n < self.max_blocks_per_seq:
+            counts.append(n)
+            n *= 2
+        return counts + [n]
+
+    def _kv_transfer_executable(self, kind: str, count: int) -> jax.stages.Compiled:
+        exe = self._kv_transfer_executables.get((kind, count))
+        if exe is None:
+            ids = jax.ShapeDtypeStruct((count,), jnp.int32)
+            with jax.set_mesh(self.mesh):
+                if kind == "gather":
+                    lowered = self._gather.lower(self.kv_caches, ids)
+                else:
+                    blocks = jax.ShapeDtypeStruct((count, *self.kv_block_shape), self.kv_dtype)
+                    lowered = self._write.lower(self.kv_caches, ids, blocks)
+            exe = self._kv_transfer_executables[(kind, count)] = lowered.compile()
+        return exe
+
+    def warmup_kv_transfer(self, kind: str) -> None:
+        """Compile the block gather ("gather", a producer) or write ("write", a consumer) for every
+        power-of-two block count up to a whole sequence."""
+        for count in self._block_counts():
+            self._kv_transfer_executable(kind, count)
+
+    def _padded_ids(self, block_ids: list[int]) -> tuple[np.ndarray, int]:
+        count = next(c for c in self._block_counts() if c >= len(block_ids))
+        ids = np.zeros(count, np.int32)            # padding reads / writes the null block 0
+        ids[:len(block_ids)] = block_ids
+        return ids, count
+
+    def gather_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """Host copy of the pool's blocks `block_ids` in the canonical layout, in the pool's dtype."""
+        ids, count = self._padded_ids(block_ids)
+        out = self._kv_transfer_executable("gather", count)(self.kv_caches, ids)
+        return np.asarray(jax.device_get(out.addressable_data(0)))[:len(block_ids)]
+
+    def write_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
+        """Write host blocks [len(block_ids), *kv_block_shape] (the pool's dtype) into the pool."""
+        if blocks.shape != (len(block_ids), *self.kv_block_shape):
+            raise ValueError(f"KV blocks of shape {blocks.shape} do not fit this pool: expected "
+                             f"{(len(block_ids), *self.kv_block_shape)}")
+        ids, count = self._padded_ids(block_ids)
+        padded = np.zeros((count, *self.kv_block_shape), self.kv_dtype)
+        padded[:len(block_ids)] = blocks
+        self.kv_caches = self._kv_transfer_executable("write", count)(self.kv_caches, ids, padded)
 
     # ---- compilation -----------------------------------------------------------------
 
