@@ -10,9 +10,10 @@ later. `update_from_output()` appends the sampled tokens and applies stop checks
 Disaggregated prefill/decode (jaxserve.core.kv_transfer): a consumer's request that carries
 a producer's export is admitted by allocating blocks for the prompt blocks its own prefix
 cache lacks, then parks in WAITING_FOR_REMOTE_KV (off the budget and the sequence cap)
-until the engine reports the pull written (`finish_kv_load`); it then waits again, holding
-its blocks, and continues as a prefix-cache hit. A producer's finished request leaves a
-`KVExport` (its full prompt blocks) for the engine to gather before the next step.
+until the engine reports the pull written (`finish_kv_load`); it then waits in `ready`,
+holding its blocks, and is admitted before the waiting queue, as a prefix-cache hit. A
+producer's finished request leaves a `KVExport` (its full prompt blocks) for the engine to
+gather before the next step.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Scheduler:
         # A lower token budget while the runner still compiles its larger buckets (None: no cap).
         self.token_budget_cap: int | None = None
         self.loading: dict[str, Request] = {}       # WAITING_FOR_REMOTE_KV, by request id
+        self.ready: list[Request] = []              # pulls ended; they hold their blocks and go first
         self._kv_loads: list[KVLoad] = []           # pulls to start (take_kv_loads)
         self._kv_exports: list[KVExport] = []       # finished producer requests (take_kv_exports)
 
@@ -80,6 +82,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 del self.loading[req_id]
+            elif request in self.ready:
+                self.ready.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -89,7 +93,7 @@ class Scheduler:
         self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading) or bool(self.ready)
 
     @property
     def num_running(self) -> int:
@@ -97,7 +101,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.ready)
 
     def _free(self, request: Request) -> None:
         kv = request.kv_transfer
@@ -148,31 +152,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Then waiting requests, unless this step had to preempt.
-        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting.peek()
-            if request.wait_for in self.loading:
-                break   # a sibling's pull brings this prompt's blocks: wait for it (FCFS keeps the order)
-            if request.request_id in self.kv.req_to_blocks:
-                # Holds blocks a KV pull filled (or tried to): no prefix lookup, no second count.
-                computed_blocks, num_computed = [], request.num_computed_tokens
-            else:
-                computed_blocks, num_computed = self.kv.get_computed_blocks(request)
-            if request.kv_load_pending:
-                admitted = self._admit_kv_load(request, computed_blocks, num_computed)
-                if admitted is None:
-                    break      # the pool is short: the request waits (it is not refused)
-                if admitted:
-                    continue   # parked in WAITING_FOR_REMOTE_KV
-                # Nothing to pull (the prefix cache has it all): an ordinary admission.
+        # Then requests whose KV pull ended (they hold their blocks), then waiting requests,
+        # unless this step had to preempt.
+        def admit(request: Request, computed_blocks, num_computed: int) -> bool:
             remaining = request.num_tokens - num_computed
             if not cfg.enable_chunked_prefill and remaining > budget:
-                break
+                return False
             num_new = self._chunk(remaining, budget)
-            block_ids = self.kv.allocate_slots(request, num_new, computed_blocks, num_computed)
-            if block_ids is None:
-                break
-            self.waiting.pop()
+            if self.kv.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
+                return False
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -190,7 +178,34 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
             ))
-            budget -= num_new
+            return True
+
+        while not preempted and self.ready and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.ready[0]
+            if admit(request, [], request.num_computed_tokens):
+                self.ready.pop(0)
+                budget -= num_scheduled[request.request_id]
+            elif not self.running and len(self.ready) > 1:
+                self._unload(self.ready.pop())   # pulled requests alone fill the pool: one starts over
+            else:
+                break
+        while not preempted and not self.ready and len(self.waiting) and budget > 0 \
+                and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek()
+            if request.wait_for in self.loading:
+                break   # a sibling's pull brings this prompt's blocks: wait for it (FCFS keeps the order)
+            computed_blocks, num_computed = self.kv.get_computed_blocks(request)
+            if request.kv_load_pending:
+                parked = self._admit_kv_load(request, computed_blocks, num_computed)
+                if parked is None:
+                    break      # the pool is short: the request waits (it is not refused)
+                if parked:
+                    continue   # in WAITING_FOR_REMOTE_KV
+                # Nothing to pull (the prefix cache has it all): an ordinary admission.
+            if not admit(request, computed_blocks, num_computed):
+                break
+            self.waiting.pop()
+            budget -= num_scheduled[request.request_id]
 
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
@@ -231,7 +246,7 @@ class Scheduler:
     def finish_kv_load(self, request_id: str, ok: bool) -> bool:
         """A pull for a parked request ended: with `ok` its blocks now hold the producer's KV (the
         engine wrote them), else they hold nothing and the prompt is computed here. The request
-        waits again, first in line, keeping its blocks. False if it is no longer parked (aborted)."""
+        then waits in `ready`, keeping its blocks. False if it is no longer parked (aborted)."""
         request = self.loading.pop(request_id, None)
         if request is None:
             return False
@@ -242,8 +257,14 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
         request.status = RequestStatus.WAITING
-        self.waiting.prepend(request)
+        self.ready.append(request)
         return True
+
+    def _unload(self, request: Request) -> None:
+        """Give up a pulled request's blocks (it waits again and recomputes, or hits the prefix cache)."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        self.waiting.prepend(request)
 
     def take_kv_loads(self) -> list[KVLoad]:
         loads, self._kv_loads = self._kv_loads, []
