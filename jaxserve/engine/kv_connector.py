@@ -52,6 +52,7 @@ class KVConnector:
         self._watched: dict[str, KVTransferParams] = {}   # request id -> transfer whose lease to renew
         self._pending = 0                                  # pulls started and not yet taken by done()
         self._closed = threading.Event()
+        self._wake = threading.Event()         # a new transfer to watch, or close()
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="jaxserve-kv-heartbeat", daemon=True)
         self._heartbeats.start()
 
@@ -66,6 +67,7 @@ class KVConnector:
         """Renew this transfer's lease until `unwatch` (the request waits for room in the pool)."""
         with self._lock:
             self._watched[request_id] = params
+        self._wake.set()
 
     def unwatch(self, request_id: str) -> None:
         with self._lock:
@@ -97,6 +99,7 @@ class KVConnector:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         self._workers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
@@ -150,7 +153,8 @@ class KVConnector:
                 except grpc.RpcError:
                     pass     # the pull will fail and the load-failure policy decides
             period = min((p.lease_seconds for p in watched if p.lease_seconds > 0), default=30.0) / 3
-            self._closed.wait(max(0.2, period))
+            self._wake.wait(max(0.2, period))
+            self._wake.clear()
 
 
 def _assemble(chunks) -> np.ndarray:
