@@ -8,7 +8,7 @@ when a request finishes, on the event loop thread.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from jaxserve.outputs import RequestMetrics
 
@@ -47,6 +47,26 @@ class _EngineCollector:
             c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(stats[key]))
             yield c
+        kv_stats = getattr(getattr(self.engine, "engine", None), "kv_stats", None)
+        if kv_stats is not None and getattr(self.engine.engine, "kv_role", None):
+            yield from _kv_transfer_metrics(kv_stats.snapshot(), self.model_name)
+
+
+def _kv_transfer_metrics(snap: dict, model_name: str):
+    """Disaggregated prefill/decode (jaxserve.core.kv_transfer.KVTransferStats): transfers by outcome,
+    bytes moved (sent by a producer, received by a consumer) and the seconds each pull took."""
+    c = CounterMetricFamily("jaxserve:kv_transfers", "KV transfers by outcome", labels=["model_name", "outcome"])
+    for outcome, n in sorted(snap["outcomes"].items()):
+        c.add_metric([model_name, outcome], float(n))
+    yield c
+    b = CounterMetricFamily("jaxserve:kv_transfer_bytes", "KV bytes sent (producer) or received (consumer)",
+                            labels=["model_name"])
+    b.add_metric([model_name], float(snap["bytes"]))
+    yield b
+    h = HistogramMetricFamily("jaxserve:kv_transfer_seconds", "Seconds one KV pull took", labels=["model_name"])
+    buckets = [(str(bound), float(n)) for bound, n in snap["buckets"]] + [("+Inf", float(snap["count"]))]
+    h.add_metric([model_name], buckets, sum_value=snap["sum"])
+    yield h
 
 
 class ServerMetrics:

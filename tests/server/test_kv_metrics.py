@@ -1,0 +1,36 @@
+"""/metrics of a kv-role instance: transfers by outcome, bytes, and the pull-time histogram."""
+
+import types
+
+from prometheus_client import generate_latest
+
+from jaxserve.core.kv_transfer import KVTransferStats
+from server.metrics import ServerMetrics
+
+_STATS = ["num_running", "num_waiting", "kv_usage", "kv_free_blocks", "kv_total_blocks", "compiles_after_warmup",
+          "num_in_flight", "num_unfinished", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+          "prompt_tokens", "generation_tokens"]
+
+
+def scrape(kv_role, kv_stats):
+    llm = types.SimpleNamespace(kv_stats=kv_stats, kv_role=kv_role)
+    engine = types.SimpleNamespace(engine=llm, stats=lambda: dict.fromkeys(_STATS, 0))
+    return generate_latest(ServerMetrics(engine, "m").registry).decode()
+
+
+def test_a_kv_role_instance_exports_its_transfers():
+    stats = KVTransferStats()
+    stats.record("sent", 1000, 0.02)
+    stats.record("sent", 500, 3.0)
+    stats.record("expired")
+    text = scrape("producer", stats)
+    assert 'jaxserve:kv_transfers_total{model_name="m",outcome="sent"} 2.0' in text
+    assert 'jaxserve:kv_transfers_total{model_name="m",outcome="expired"} 1.0' in text
+    assert 'jaxserve:kv_transfer_bytes_total{model_name="m"} 1500.0' in text
+    assert 'jaxserve:kv_transfer_seconds_bucket{le="0.025",model_name="m"} 1.0' in text
+    assert 'jaxserve:kv_transfer_seconds_bucket{le="5.0",model_name="m"} 2.0' in text
+    assert 'jaxserve:kv_transfer_seconds_count{model_name="m"} 2.0' in text
+
+
+def test_an_ordinary_instance_has_no_transfer_metrics():
+    assert "kv_transfer" not in scrape(None, KVTransferStats())
