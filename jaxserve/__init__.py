@@ -4,9 +4,9 @@
 on first use so that `import jaxserve.core` stays free of jax.
 """
 
-from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutputKind", "SamplingParams"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

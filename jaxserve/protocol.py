@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from jaxserve.core import RequestOutputKind, SamplingParams
+from jaxserve.core import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.tool_parsers import ToolParser, finish_reason
 
@@ -79,6 +79,33 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a schema), json_object, regex, choice, grammar (Lark)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -105,7 +132,8 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None    # vLLM: logprobs of every prompt token (top-N each)
     # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None   # vLLM: json, json_object, regex, choice, grammar
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -113,9 +141,28 @@ class _SamplingFields(BaseModel):
     def check_unsupported(self) -> None:
         if self.logit_bias:
             raise RequestError("logit_bias is not supported", param="logit_bias")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise RequestError(f"response_format {self.response_format.get('type')!r} is not supported; "
-                               "only 'text'", param="response_format")
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's constraint, from vLLM's structured_outputs or OpenAI's response_format."""
+        rf = self.response_format if self.response_format and self.response_format.type != "text" else None
+        if self.structured_outputs is not None and rf is not None:
+            raise RequestError("give structured_outputs or response_format, not both", param="structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                schema = so.json_ if so.json_ is None or isinstance(so.json_, str) else json.dumps(so.json_)
+                return StructuredOutputsParams(json=schema, json_object=bool(so.json_object), regex=so.regex,
+                                               grammar=so.grammar, choice=None if so.choice is None else
+                                               tuple(so.choice))
+        except ValueError as e:
+            raise RequestError(str(e), param="structured_outputs") from e
+        if rf is None:
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise RequestError("response_format json_schema needs json_schema.schema", param="response_format")
+        return StructuredOutputsParams(json=json.dumps(rf.json_schema.schema_))
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -132,7 +179,7 @@ class _SamplingFields(BaseModel):
                                   prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else
                                   self.prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-                                  **kw)
+                                  structured_outputs=self._structured_outputs(), **kw)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
 

@@ -69,6 +69,9 @@ class Request:
         self.kv_transfer = kv_transfer
         self.kv_load_pending = kv_transfer is not None and kv_transfer.role == "consume"
         self.wait_for = wait_for       # a sibling whose KV pull this request waits for (n > 1 on a consumer)
+        # Structured output: the sequence's grammar matcher (jaxserve.engine.structured_output.Grammar,
+        # duck-typed: accept_token(id), is_terminated()), advanced with every token appended.
+        self.grammar = None
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as in vLLM
@@ -19,6 +20,48 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0   # everything so far, every step (LLM.generate, AsyncEngine.generate by default)
     DELTA = 1        # only what is new since the last output; a finished sequence is reported once
     FINAL_ONLY = 2   # one output, when the request has finished
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one of a JSON schema (`json`, a
+    dict or its JSON text), any JSON object (`json_object`), a regular expression, a list of
+    choices, or a Lark grammar. Compiled (and checked) by jaxserve.engine.structured_output."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice or grammar, "
+                             f"got {given or 'none'}")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json", self.json,
+               "must be a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""), f"structured_outputs.{name}", value,
+                   "must be a non-empty string")
+        _check(self.choice is None or (len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", self.choice, "must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec) naming the grammar; equal keys compile to the same grammar."""
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", spec
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclasses.dataclass
@@ -42,6 +85,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # keep the matched stop string in the text
     skip_special_tokens: bool = True           # drop special tokens from the text
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each output carries
+    structured_outputs: StructuredOutputsParams | None = None       # constrain the text (JSON, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +127,8 @@ class SamplingParams:
                "prompt_logprobs", self.prompt_logprobs, "must be an integer >= 0 or None")
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
                "must be a RequestOutputKind")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", self.stop, "must hold non-empty strings")
         for t in self.stop_token_ids:

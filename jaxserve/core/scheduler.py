@@ -318,7 +318,12 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
                 new_ids.append(token_id)
+                if request.grammar is not None:
+                    request.grammar.accept_token(token_id)
                 if self._check_stop(request, token_id):
+                    break
+                if request.grammar is not None and request.grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
                     break
             request.update_block_hashes(block_size)
             finish_reason = None

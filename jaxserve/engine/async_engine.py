@@ -114,6 +114,10 @@ class AsyncEngine:
             raise self._dead_error()
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
+        grammars = getattr(self.engine, "grammars", None)
+        if params.structured_outputs is not None and grammars is not None:
+            # Compiled (and checked) on a worker thread: the engine thread finds it in the cache.
+            await asyncio.to_thread(grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
         accepted = loop.create_future()

@@ -40,6 +40,7 @@ from jaxserve.core import Request, RequestStatus, SamplingParams
 from jaxserve.core.kv_transfer import ExportRegistry, IncompatibleKVError, KVTransferParams, KVTransferStats
 from jaxserve.engine.builder import Replica, build_engine_parts
 from jaxserve.engine.kv_connector import KVConnector, PullResult
+from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.routing import route
 from jaxserve.engine.weights import checked_update, flat_params
@@ -81,6 +82,7 @@ class LLMEngine:
             atexit.register(self.shutdown)
         self.num_prompt_tokens_total = 0      # prompt tokens computed (not served from the cache)
         self.num_generation_tokens_total = 0
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.kv_role = self.config.kv_role
         self.compat_hash = compat_hash(self._checkpoint_model_config, self.model_name, self.config)
         self.kv_stats = KVTransferStats()
@@ -152,6 +154,10 @@ class LLMEngine:
             kv_transfer = None
         if kv_transfer is not None:
             self._check_kv_transfer(kv_transfer, params)
+        if params.structured_outputs is not None:
+            if self._channel is not None:
+                raise ValueError("structured outputs are not supported on multi-process engines yet")
+            self.grammars.compile(params.structured_outputs)    # a bad schema fails here, before any sequence
         eos = self.tokenizer.eos_token_ids
         wanted = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         taken = [c for c in wanted if c in self._replica_of or self.output_processor.request_of(c) is not None]
@@ -168,6 +174,8 @@ class LLMEngine:
                               wait_for=core_ids[0] if i and kv_transfer is not None else None)
             if i == 0 and kv_transfer is not None and kv_transfer.role == "consume":
                 self._check_same_prompt(request, kv_transfer)
+            if params.structured_outputs is not None:
+                request.grammar = self.grammars.grammar(params.structured_outputs)
             # Siblings share the replica (and the prompt's blocks).
             replica = replica or route(self.replicas, request, block_size=self.scheduler.config.block_size,
                                        max_num_seqs=self.config.max_num_seqs)
@@ -292,7 +300,8 @@ class LLMEngine:
         if self._channel is not None:
             self._channel.publish([so for _, so in plans])
         # Every replica's step is dispatched before any result is awaited: replicas run together.
-        launched = [(replica, so, replica.runner.launch(so)) for replica, so in plans]
+        launched = [(replica, so, replica.runner.launch(so, _sampling_grammars(replica.scheduler, so)))
+                    for replica, so in plans]
         core_outputs = []
         for replica, so, handle in launched:
             core_outputs += replica.scheduler.update_from_output(so, replica.runner.collect(handle))
@@ -476,6 +485,16 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
         }
+
+
+def _sampling_grammars(scheduler, so) -> dict | None:
+    """{request id: Grammar} of the structured-output requests that sample in this step."""
+    grammars = {}
+    for req_id in so.num_scheduled_tokens:
+        request = scheduler.requests[req_id]
+        if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
+            grammars[req_id] = request.grammar
+    return grammars or None
 
 
 def compat_hash(model_config, model_name: str, config: EngineConfig) -> str:

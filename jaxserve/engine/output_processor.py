@@ -169,7 +169,8 @@ class OutputProcessor:
                 seq.logprobs.append(logprobs_dict(token_id, lp))
                 seq.cumulative_logprob += lp.token_logprob
         new_ids = co.new_token_ids
-        if co.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+        if co.finish_reason == "stop" and not state.params.include_stop_str_in_output and new_ids and \
+                (co.stop_reason is not None or new_ids[-1] in self.tokenizer.eos_token_ids):
             new_ids = new_ids[:-1]   # EOS or a stop token id: its text is not part of the output (as vLLM)
         check_stop = len(seq.token_ids) > state.params.min_tokens
         stop = seq.detok.update(new_ids, check_stop)

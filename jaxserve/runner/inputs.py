@@ -46,6 +46,8 @@ class StepInputs:
     logits_indices: jax.Array    # [S] int32 flat index of each sequence's last scheduled token (padding 0)
     banned_token_ids: jax.Array  # [S, MAX_BANNED] int32 ids masked for rows under min_tokens (padding -1)
     want_logprobs: jax.Array     # [] bool: some row asked for top-N logprobs
+    token_bitmask: jax.Array     # [S, ceil(V / 32)] int32 allowed tokens (structured output); all ones unconstrained
+    use_bitmask: jax.Array       # [] bool: some row is constrained (else the mask is not applied at all)
     attn: AttentionMetadata
     sampling: SamplingMetadata
 
@@ -66,6 +68,13 @@ def _uses_penalties(p: SamplingParams) -> bool:
 @functools.lru_cache(maxsize=32)
 def _no_tokens(num_seqs: int, length: int) -> np.ndarray:
     a = np.full((num_seqs, length), -1, np.int32)
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=32)
+def _all_allowed(num_seqs: int, width: int) -> np.ndarray:
+    a = np.full((num_seqs, width), -1, np.int32)
     a.flags.writeable = False
     return a
 
@@ -124,8 +133,12 @@ def prepare_inputs(
     max_blocks_per_seq: int,
     block_size: int,
     max_model_len: int,
+    vocab_size: int,
+    grammars: dict | None = None,
 ) -> StepInputs:
-    """Padded numpy inputs for one step. `scheduled`: (request state, tokens this step), in order."""
+    """Padded numpy inputs for one step. `scheduled`: (request state, tokens this step), in order.
+    `grammars`: {request id: Grammar} of the constrained requests that sample this step (they fill
+    their rows of the allowed-token bitmask)."""
     T = num_tokens_bucket
     S = num_seqs_for_bucket(T, max_num_seqs)
     assert len(scheduled) <= S, (len(scheduled), S)
@@ -183,6 +196,14 @@ def prepare_inputs(
             ban = (ban + list(p.stop_token_ids))[:MAX_BANNED]
             banned[i, :len(ban)] = ban
     query_start_loc[len(scheduled) + 1:] = t
+    width = -(-vocab_size // 32)
+    if grammars:
+        bitmask = np.full((S, width), -1, np.int32)
+        for i, (st, _) in enumerate(scheduled):
+            if st.req_id in grammars:
+                grammars[st.req_id].fill_bitmask(bitmask, i)
+    else:   # the common case: one shared read-only array, never applied
+        bitmask = _all_allowed(S, width)
 
     attn = AttentionMetadata(
         slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
@@ -192,5 +213,6 @@ def prepare_inputs(
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, sample_index=sample_index,
         output_token_ids=output_ids, prompt_token_ids=prompt_ids)
     return StepInputs(input_ids=input_ids, positions=positions, logits_indices=logits_indices,
-                      banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), attn=attn,
+                      banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), token_bitmask=bitmask,
+                      use_bitmask=np.bool_(bool(grammars)), attn=attn,
                       sampling=sampling)

@@ -65,6 +65,7 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
     # Under min_tokens, EOS and stop tokens cannot be sampled.
     banned = jnp.where(inputs.banned_token_ids >= 0, inputs.banned_token_ids, vocab)      # [S, B]
     masked = logits.at[jnp.arange(num_seqs)[:, None], banned].set(-jnp.inf, mode="drop")
+    masked = lax.cond(inputs.use_bitmask, _apply_bitmask, lambda x, _: x, masked, inputs.token_bitmask)
     token_ids = sample(masked, inputs.sampling).sampled_token_ids                         # [S]
     # Logprobs are of the raw model distribution, as in vLLM.
     logprobs = jax.nn.log_softmax(logits, axis=-1)                                       # [S, V]
@@ -78,6 +79,14 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
         return kv_caches, token_ids, token_logprobs, top_ids, top_lps
     return (kv_caches, token_ids, token_logprobs, top_ids, top_lps,
             *_prompt_logprobs(model, hidden, prompt, max_logprobs))
+
+
+def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the structured-output bitmask [S, ceil(V / 32)] has a 0 bit (bit j of word i: token 32 i + j)."""
+    num_seqs, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1                  # [S, W, 32]
+    allowed = bits.reshape(num_seqs, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _prompt_logprobs(model, hidden: jax.Array, prompt: PromptLogprobsInputs, k: int):
@@ -355,10 +364,11 @@ class ModelRunner:
             self.compiling = False
             self.last_compile_end = time.monotonic()
 
-    def _prepare(self, scheduled, bucket: int) -> StepInputs:
+    def _prepare(self, scheduled, bucket: int, grammars: dict | None = None) -> StepInputs:
         return prepare_inputs(scheduled, num_tokens_bucket=bucket, max_num_seqs=self.max_num_seqs,
                               max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
-                              max_model_len=self.max_model_len)
+                              max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
+                              grammars=grammars)
 
     # ---- one step --------------------------------------------------------------------
 
@@ -376,11 +386,12 @@ class ModelRunner:
             st.block_ids.extend(cached.new_block_ids)
             assert st.num_computed_tokens == cached.num_computed_tokens, (cached, st.num_computed_tokens)
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.launch(so))
+    def execute(self, so: SchedulerOutput, grammars: dict | None = None) -> ModelRunnerOutput:
+        return self.collect(self.launch(so, grammars))
 
-    def launch(self, so: SchedulerOutput) -> "_Launched":
+    def launch(self, so: SchedulerOutput, grammars: dict | None = None) -> "_Launched":
         """Apply the scheduler's diffs and dispatch the step; returns before the device finishes.
+        `grammars`: {request id: Grammar} of the structured-output requests that sample this step.
 
         Data-parallel replicas launch every replica's step before collecting any, so the
         replicas' devices run at the same time.
@@ -392,7 +403,7 @@ class ModelRunner:
         bucket = pick_bucket(so.total_num_scheduled_tokens, self.buckets)
         if len(scheduled) > num_seqs_for_bucket(bucket, self.max_num_seqs):
             raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
-        inputs = self._prepare(scheduled, bucket)
+        inputs = self._prepare(scheduled, bucket, grammars)
         prompt = prepare_prompt_logprobs(scheduled, num_tokens_bucket=bucket)
         extra = () if prompt is None else (prompt,)
         try:

@@ -25,7 +25,7 @@ def test_mixed_step_by_hand():
                          sampling_params=SamplingParams(min_tokens=2, stop_token_ids=[8], repetition_penalty=1.2),
                          seed=1, eos_token_ids=(2,))
     x = prepare_inputs([(decode, 1), (chunk, 3)], num_tokens_bucket=16, max_num_seqs=4, max_blocks_per_seq=3,
-                       block_size=4, max_model_len=8)
+                       block_size=4, max_model_len=8, vocab_size=100)
     assert x.input_ids.tolist() == [15, 20, 21, 22] + [0] * 12
     assert x.positions.tolist() == [5, 0, 1, 2] + [0] * 12
     # position 5 of d -> block 7 offset 1 -> slot 29; c's positions 0..2 -> block 9 -> slots 36..38

@@ -1,0 +1,89 @@
+"""Structured output on the tiny model through LLM.generate: every output obeys its constraint,
+unconstrained requests in the same batch are untouched, nothing compiles after warm-up."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+
+from .structured_cases import CHOICES, REGEX, SCHEMAS
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine):
+    return LLM.from_engine(tiny_engine)
+
+
+def sampled(i, **kw):
+    return SamplingParams(max_tokens=100, temperature=1.0, seed=i, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_50_generations_are_valid_against_the_schema(llm, name):
+    schema = SCHEMAS[name]
+    so = StructuredOutputsParams(json=schema)
+    outs = llm.generate(["Describe it as JSON:"] * 50, [sampled(i, structured_outputs=so) for i in range(50)],
+                        use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    assert llm.engine.stats()["compiles_after_warmup"] == 0
+
+
+def test_json_object_choice_and_regex_always_match(llm):
+    params = ([sampled(i, structured_outputs=StructuredOutputsParams(json_object=True)) for i in range(10)]
+              + [sampled(i, structured_outputs=StructuredOutputsParams(choice=CHOICES)) for i in range(20)]
+              + [sampled(i, structured_outputs=StructuredOutputsParams(regex=REGEX)) for i in range(20)])
+    outs = llm.generate(["x"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    # Any object: a random model may write a key longer than max_tokens; what finishes is an object.
+    done = [o.outputs[0].text for o in outs[:10] if o.outputs[0].finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(t), dict) for t in done)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") and o.outputs[0].text.startswith("{")
+               for o in outs[:10])
+    assert all(t in CHOICES for t in texts[10:30]) and len(set(texts[10:30])) > 1
+    assert all(re.fullmatch(REGEX, t) for t in texts[30:]), texts[30:]
+
+
+def test_unconstrained_requests_in_a_constrained_batch_are_token_identical(llm):
+    prompts = [[int(t) for t in range(3 + i, 40 + 2 * i)] for i in range(8)]
+    plain = [SamplingParams(max_tokens=12, temperature=t, seed=i, ignore_eos=True)
+             for i, t in enumerate([0.0, 1.0] * 4)]
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    constrained = [sampled(i, structured_outputs=StructuredOutputsParams(json=SCHEMAS["nested"])) for i in range(8)]
+    mixed = llm.generate(prompts + prompts, plain + constrained, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:8]] == [o.outputs[0].token_ids for o in alone]
+    assert llm.engine.stats()["compiles_after_warmup"] == 0
+
+
+def test_max_tokens_before_the_grammar_completes_is_length(llm):
+    (out,) = llm.generate(["x"], SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(
+        regex="[a-z]{40}")), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and re.fullmatch("[a-z]+", out.outputs[0].text)
+
+
+def test_n_siblings_each_get_their_own_matcher(llm):
+    (out,) = llm.generate(["x"], sampled(3, n=4, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+                          use_tqdm=False)
+    assert all(re.fullmatch(REGEX, c.text) for c in out.outputs)
+
+
+@pytest.mark.parametrize("so,match", [
+    (StructuredOutputsParams(json={"type": "nosuch"}), "(?s)invalid JSON schema: .*nosuch"),
+    (StructuredOutputsParams(json="{not json"), "invalid JSON schema: not JSON"),
+    (StructuredOutputsParams(regex="[a-"), "(?s)invalid regex: .*unclosed character class"),
+    (StructuredOutputsParams(grammar="start: ???"), "invalid grammar"),
+])
+def test_a_bad_constraint_is_refused_naming_the_problem(llm, so, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(json="{}", regex="a"), dict(choice=[]), dict(regex="")])
+def test_structured_outputs_params_need_exactly_one_constraint(kw):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**kw)
