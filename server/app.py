@@ -263,12 +263,13 @@ async def _json(request: Request) -> dict:
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_num_queued_requests: int | None = None, max_request_body_bytes: int = 8 * 2**20,
           limits: RequestLimits | None = None, step_timeout_s: float | None = 180.0,
-          enable_docs: bool = False, tool_parser: str | None = None) -> int:
+          enable_docs: bool = False, tool_parser: str | None = None, grpc_port: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after draining) or an engine failure (exit 1).
 
     When the engine dies (a step raised, or ran past `step_timeout_s`) its in-flight
     requests get an error, the server drains them and the process exits 1, so that a
-    supervisor restarts it.
+    supervisor restarts it. With `grpc_port`, the gRPC API (server.grpc_server) runs in the
+    same event loop on that port; on shutdown it drains after HTTP, before the engine stops.
     """
     import uvicorn
 
@@ -286,6 +287,10 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
     app = create_app(engine, served_model_name=config.served_model_name, api_key=api_key,
                      max_request_body_bytes=max_request_body_bytes, limits=limits, enable_docs=enable_docs,
                      tool_parser=tool_parser)
+    if grpc_port is not None:
+        from server.grpc_server import run_with_app
+
+        run_with_app(app, engine, grpc_port, host=host, served_model_name=config.served_model_name, limits=limits)
     logger.info("serving %s on http://%s:%d", config.served_model_name or engine.model_name, host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=30))
@@ -298,8 +303,10 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
     try:
         server.run()
     finally:
+        if not server.started:   # the app's start-up failed (the gRPC port could not be bound)
+            engine.shutdown()
         if engine.loop_alive:   # a step still running (hung): its thread can never be joined
             logger.error("the engine thread is still inside a step; exiting without it")
             logging.shutdown()
             os._exit(1)
-    return 1 if failed.is_set() else 0
+    return 1 if failed.is_set() or not server.started else 0
