@@ -92,14 +92,26 @@ def completion_body(request: pb.GenerateRequest, prompt: list[int] | None) -> di
         body["stop_token_ids"] = list(sp.stop_token_ids)
     if request.HasField("cache_salt"):
         body["cache_salt"] = request.cache_salt
+    if sp.HasField("structured_outputs"):
+        body["structured_outputs"] = structured_outputs_body(sp.structured_outputs)
     return body
+
+
+def structured_outputs_body(so: pb.StructuredOutputs) -> dict:
+    """The HTTP body's structured_outputs for the proto's (an unset constraint is the body's error)."""
+    which = so.WhichOneof("constraint")
+    if which is None:
+        return {}
+    value = getattr(so, which)
+    return {which: list(value.choices) if which == "choice" else value}
 
 
 def _prompt_ids(request: pb.GenerateRequest, tokenizer) -> list[int] | None:
     """Token ids given, or the text tokenized as the request says (add_special_tokens); None if neither."""
     which = request.WhichOneof("input")
     if which == "text":
-        return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True   # as HTTP
+        return tokenizer.encode(request.text, add_special_tokens=add)
     if which == "token_ids":
         return list(request.token_ids.ids)
     return None
@@ -218,7 +230,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         prompt, params = await asyncio.to_thread(self._prepare, request)
         self.engine.check_room(params.n)
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        stream = await self.engine.add_request(prompt, params, request_id, cache_salt=salt,
+        stream = await self.engine.add_request(prompt, params, request_id, cache_salt=salt, priority=request.priority,
                                                kv_transfer=kv_params_from_proto(request.kv_transfer_params))
         return stream, prompt, params
 

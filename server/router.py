@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.core import CounterMetricFamily
 
 from checkpoints import load_checkpoint
-from jaxserve.core import RequestOutputKind, SamplingParams
+from jaxserve.core import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.outputs import RequestMetrics
 from jaxserve.proto import jaxserve_pb2 as pb
@@ -50,7 +50,8 @@ from server.router_stream import OutputAssembler, RouterStream, read_message
 logger = logging.getLogger(__name__)
 
 PATHS = ("disaggregated", "decode_only")
-_PROTO_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)   # vLLM's names, as SamplingParams's
+# vLLM's names, as SamplingParams's; the scalar and list ones copy by name, structured_outputs is converted.
+_PROTO_FIELDS = tuple(n for n in pb.SamplingParams.DESCRIPTOR.fields_by_name if n != "structured_outputs")
 PRODUCER_RETRY_S = 5.0     # a producer that failed a request gets none for this long
 _RPC_TIMEOUT_S = 5.0       # polls and releases
 
@@ -253,7 +254,7 @@ class RouterEngine:
             raise EngineDeadError("the router is shutting down")
         request_id = request_id or uuid.uuid4().hex
         ids = list(prompt["prompt_token_ids"])
-        params = self._checked(ids, params, priority)
+        params = self._checked(ids, params)
         metrics = RequestMetrics(time.monotonic())
         self.num_in_flight += 1
         try:
@@ -261,14 +262,14 @@ class RouterEngine:
             kv, cached = None, None
             if producer is not None:
                 try:
-                    kv, cached = await self._prefill(producer, request_id, ids, params, cache_salt)
+                    kv, cached = await self._prefill(producer, request_id, ids, params, cache_salt, priority)
                 except _ProducerFailed as e:
                     producer.down_until = time.monotonic() + PRODUCER_RETRY_S
                     logger.warning("%s failed request %s (%s); it runs decode-only, and the producer gets no "
                                    "request for %g s", producer, request_id, e, PRODUCER_RETRY_S)
             outputs = OutputAssembler(request_id, prompt.get("prompt"), ids, params, metrics, cached)
             try:
-                stream = await self._decode(request_id, ids, params, cache_salt, kv, outputs)
+                stream = await self._decode(request_id, ids, params, cache_salt, kv, outputs, priority)
             except BaseException:
                 if kv is not None:      # the consumer may never pull it: do not leave it to the lease
                     self._release_soon(producer, kv.transfer_id)
@@ -279,14 +280,11 @@ class RouterEngine:
         self.requests_by_path["disaggregated" if kv is not None else "decode_only"] += 1
         return stream
 
-    def _checked(self, ids: list[int], params: SamplingParams, priority: int) -> SamplingParams:
+    def _checked(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """The engine's own checks of what the gRPC API cannot carry (same messages as LLMEngine's)."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if priority != 0:
-            raise ValueError(f"priority={priority} is not available through `jaxserve router` (the gRPC API has no "
-                             "priority)")
         uncarried = _uncarried(params)
         if uncarried:
             raise ValueError(f"{', '.join(uncarried)} is not available through `jaxserve router`: the gRPC API between "
@@ -317,16 +315,16 @@ class RouterEngine:
         return min(serving, key=lambda c: c.in_flight)
 
     async def _prefill(self, producer: _Instance, request_id: str, ids: list[int], params: SamplingParams,
-                       cache_salt: str | None) -> tuple[pb.KVTransferParams, int]:
+                       cache_salt: str | None, priority: int = 0) -> tuple[pb.KVTransferParams, int]:
         """Leg 1: the prompt prefilled on `producer`, its KV blocks exported; returns (the export, cached tokens).
 
         Raises ValueError if the producer refuses the request as invalid, _ProducerFailed on any other failure.
         """
         transfer_id = uuid.uuid4().hex
-        one_token = params.clone(n=1, max_tokens=1, min_tokens=0, stop=[], logprobs=None)
+        one_token = params.clone(n=1, max_tokens=1, min_tokens=0, stop=[], logprobs=None, structured_outputs=None)
         call = producer.generation.Generate(_generate_request(
             f"{request_id}-prefill", ids, one_token, cache_salt,
-            pb.KVTransferParams(role=pb.KV_ROLE_PRODUCE, transfer_id=transfer_id)))
+            pb.KVTransferParams(role=pb.KV_ROLE_PRODUCE, transfer_id=transfer_id), priority))
         complete = None
         try:
             async for msg in call:      # to the end of the stream: cancelling early could drop the export
@@ -350,10 +348,10 @@ class RouterEngine:
                                    compat_hash=kv.compat_hash, lease_seconds=kv.lease_seconds), complete.cached_tokens
 
     async def _decode(self, request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None,
-                      kv: pb.KVTransferParams | None, outputs: OutputAssembler) -> RouterStream:
+                      kv: pb.KVTransferParams | None, outputs: OutputAssembler, priority: int = 0) -> RouterStream:
         """Leg 2: the request on a consumer (pulling `kv` when given), once its first message arrived."""
         consumer = self._pick_consumer()
-        call = consumer.generation.Generate(_generate_request(request_id, ids, params, cache_salt, kv))
+        call = consumer.generation.Generate(_generate_request(request_id, ids, params, cache_salt, kv, priority))
         consumer.in_flight += 1
         try:
             first = await read_message(call, consumer)
@@ -390,17 +388,30 @@ def _uncarried(params: SamplingParams) -> list[str]:
     """The fields of `params` that differ from their default and that the proto's SamplingParams lacks
     (output_kind aside: the router hands out DELTA or FINAL_ONLY itself)."""
     return [f.name for f in dataclasses.fields(SamplingParams)
-            if f.name not in (*_PROTO_FIELDS, "output_kind") and getattr(params, f.name) != f.default]
+            if f.name not in (*_PROTO_FIELDS, "output_kind", "structured_outputs")
+            and getattr(params, f.name) != f.default]
 
 
 def _generate_request(request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None,
-                      kv: pb.KVTransferParams | None) -> pb.GenerateRequest:
+                      kv: pb.KVTransferParams | None, priority: int = 0) -> pb.GenerateRequest:
     try:
-        sampling = pb.SamplingParams(**{name: getattr(params, name) for name in _PROTO_FIELDS})
+        sampling = pb.SamplingParams(**{name: getattr(params, name) for name in _PROTO_FIELDS},
+                                     structured_outputs=_structured_outputs(params.structured_outputs))
     except ValueError as e:     # an integer past the proto's int64 / uint32 (a seed, a stop token id)
         raise ValueError(f"the request does not fit the gRPC API between the router and the instances: {e}") from None
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=ids), sampling_params=sampling,
-                              cache_salt=cache_salt, kv_transfer_params=kv)
+                              cache_salt=cache_salt, kv_transfer_params=kv, priority=priority)
+
+
+def _structured_outputs(so: StructuredOutputsParams | None) -> pb.StructuredOutputs | None:
+    if so is None:
+        return None
+    kind, spec = so.key
+    if kind == "json_object":
+        return pb.StructuredOutputs(json_object=True)
+    if kind == "choice":
+        return pb.StructuredOutputs(choice=pb.Choices(choices=list(so.choice)))
+    return pb.StructuredOutputs(**{kind: spec})
 
 
 class _RouterCollector:

@@ -177,6 +177,31 @@ def test_token_id_input_is_used_as_given(real):
     assert list(complete.prompt_token_ids) == ids and complete.prompt_tokens == len(ids)
 
 
+def test_structured_outputs_constrain_the_stream(real):
+    g, _ = real
+    choices = ["red apple", "green pear"]
+    for seed in range(6):
+        chunks, completes, _ = collect(g.stub.Generate(request([5, 6, 7], max_tokens=20, temperature=1.0, seed=seed,
+                                                                  structured_outputs=pb.StructuredOutputs(
+                                                                      choice=pb.Choices(choices=choices)))))
+        assert joined(chunks[0])[1] in choices and completes[0].finish_reason == "stop"
+    err = rpc_error(g.stub.Generate(request([5, 6], structured_outputs=pb.StructuredOutputs(regex="[a-"))))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid regex" in err.details()
+
+
+def test_text_input_adds_special_tokens_unless_told_not_to(real, monkeypatch):
+    g, _ = real
+    seen = []
+    encode = g.engine.tokenizer.encode
+    monkeypatch.setattr(g.engine.tokenizer, "encode",
+                        lambda text, add_special_tokens=True: seen.append(add_special_tokens) or encode(text))
+    unset = request("hello", max_tokens=1)
+    unset.ClearField("add_special_tokens")
+    collect(g.stub.Generate(unset))
+    collect(g.stub.Generate(request("hello", max_tokens=1, add_special_tokens=False)))
+    assert seen == [True, False]
+
+
 def test_stop_token_id_is_the_stop_reason(real):
     g, _ = real
     ids = [7, 8, 9, 10]
@@ -465,18 +490,19 @@ def test_kv_transfer_params_reach_the_engine(scripted, monkeypatch):
     monkeypatch.setattr(g.engine, "add_request", add_request)
     req = request([5, 6])
     req.cache_salt = "tenant-a"
+    req.priority = 3
     req.kv_transfer_params.CopyFrom(pb.KVTransferParams(role=pb.KV_ROLE_CONSUME, transfer_id="t-9",
-                                                        producer_address="10.0.0.1:7000", num_full_blocks=1,
+                                                        producer_address="127.0.0.1:7000", num_full_blocks=1,
                                                         block_hashes=[b"\x01" * 8], block_size=16,
                                                         compat_hash="abc", lease_seconds=5))
     rpc_error(g.stub.Generate(req))
-    assert seen == {"cache_salt": "tenant-a",
-                    "kv_transfer": KVTransferParams(role="consume", transfer_id="t-9", producer_address="10.0.0.1:7000",
+    assert seen == {"cache_salt": "tenant-a", "priority": 3,
+                    "kv_transfer": KVTransferParams(role="consume", transfer_id="t-9", producer_address="127.0.0.1:7000",
                                                     num_full_blocks=1, block_hashes=[b"\x01" * 8], block_size=16,
                                                     compat_hash="abc", lease_seconds=5.0)}
     seen.clear()
     rpc_error(g.stub.Generate(request([5, 6])))
-    assert seen == {"cache_salt": None, "kv_transfer": None}       # an ordinary request
+    assert seen == {"cache_salt": None, "priority": 0, "kv_transfer": None}       # an ordinary request
 
 
 # ---- conversions ------------------------------------------------------------------------------

@@ -357,11 +357,23 @@ def test_a_request_the_producer_refuses_is_a_400_and_never_decoded(router, fakes
 def test_what_the_grpc_api_cannot_carry_is_a_400(router, fakes):
     r = post(router, {"prompt": [600, 1]})
     assert r.status_code == 400 and r.json()["error"]["message"] == "prompt token id 600 is out of range [0, 512)"
-    r = post(router, {"prompt": "x", "priority": 1})
-    assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
     r = post(router, {"prompt": "x", "seed": 2**70})
     assert r.status_code == 400 and "gRPC API" in r.json()["error"]["message"]
     assert fakes[1].requests == fakes[2].requests == []
+
+
+def test_priority_and_structured_outputs_travel_to_the_instances(router, fakes):
+    _, producer, consumer, _ = fakes
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = post(router, {"prompt": LONG_PROMPT, "max_tokens": 3, "priority": 2,
+                      "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert producer.last.priority == consumer.last.priority == 2
+    assert not producer.last.sampling_params.HasField("structured_outputs")   # one token, discarded anyway
+    so = consumer.last.sampling_params.structured_outputs
+    assert so.WhichOneof("constraint") == "json" and json.loads(so.json) == schema
+    r = post(router, {"prompt": LONG_PROMPT, "max_tokens": 3, "structured_outputs": {"choice": ["a", "b"]}})
+    assert r.status_code == 200 and list(consumer.last.sampling_params.structured_outputs.choice.choices) == ["a", "b"]
 
 
 # ---- clients that leave ----------------------------------------------------------------
