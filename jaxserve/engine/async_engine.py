@@ -261,7 +261,9 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "abort":
-                self.engine.abort_request(cmd[1])
+                # A stream still read (abort() by id) ends with its final "abort" output.
+                for out in self.engine.abort_request(cmd[1]):
+                    self._deliver(out.request_id, out)
                 continue
             _, request_id, prompt, params, kwargs, loop, accepted = cmd
             with self._lock:

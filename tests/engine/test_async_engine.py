@@ -69,6 +69,18 @@ def test_cancelled_consumer_aborts_and_frees_blocks(engine, llm_engine):
     assert llm_engine.stats()["kv_free_blocks"] == total
 
 
+def test_abort_by_id_ends_a_stream_still_read_with_its_abort_output(engine, llm_engine):
+    async def main():
+        stream = await engine.add_request([3, 4, 5], SamplingParams(max_tokens=500, ignore_eos=True), "by-id")
+        first = await stream.__anext__()
+        engine.abort("by-id")
+        rest = [out async for out in stream]      # ends: it does not wait forever
+        return first, rest
+    first, rest = asyncio.run(main())
+    assert not first.finished and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert not llm_engine.has_unfinished_requests()
+
+
 def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_engine, monkeypatch):
     engine = AsyncEngine(llm_engine)
 
