@@ -16,7 +16,7 @@ import threading
 import msgspec
 import pytest
 
-from jaxserve.core import Request, RequestOutputKind, SamplingParams
+from jaxserve.core import Request, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from sharding.distributed import (FORMAT_VERSION, STOP, StepChannel, StepMessageError, decode_step,
                                   encode_step)
@@ -30,7 +30,8 @@ FULL_PARAMS = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.25,
                              temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, stop=["\n\n", "END"],
                              stop_token_ids=[2, 7], ignore_eos=True, max_tokens=None, min_tokens=3, logprobs=5,
                              prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
-                             output_kind=RequestOutputKind.DELTA)
+                             output_kind=RequestOutputKind.DELTA,
+                             structured_outputs=StructuredOutputsParams(choice=("yes", "no")))
 
 
 def replicas() -> list[SchedulerOutput]:
