@@ -225,17 +225,16 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, where: 
 
 
 @contextlib.contextmanager
-def launch_server(server_args: list[str], log_path: str | Path, timeout: float = 1200.0):
-    """`jaxserve serve ARGS` on a free loopback port; yields its base URL, then SIGTERMs it (exit code checked)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *server_args]
+def launch(args: list[str], url: str, log_path: str | Path, timeout: float = 1200.0, prefix: list[str] = ()):
+    """`jaxserve ARGS` (after `prefix`, e.g. taskset) until the block ends: waits for `url`/health, then
+    SIGTERMs it and warns on a non-zero exit."""
+    cmd = [*prefix, sys.executable, "-m", "jaxserve.cli", *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
         try:
             seconds = wait_until_healthy(proc, url, timeout, str(log_path))
-            print(f"server ready after {seconds:.1f} s: jaxserve serve {' '.join(server_args)}", flush=True)
-            yield url
+            print(f"ready after {seconds:.1f} s: jaxserve {' '.join(args)}", flush=True)
+            yield proc
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -245,4 +244,13 @@ def launch_server(server_args: list[str], log_path: str | Path, timeout: float =
                     proc.kill()
                     rc = proc.wait()
                 if rc != 0:
-                    print(f"warning: server exit code {rc}; see {log_path}", file=sys.stderr)
+                    print(f"warning: exit code {rc}; see {log_path}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def launch_server(server_args: list[str], log_path: str | Path, timeout: float = 1200.0):
+    """`jaxserve serve ARGS` on a free loopback port; yields its base URL, then SIGTERMs it (exit code checked)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with launch(["serve", "--port", str(port), *server_args], url, log_path, timeout):
+        yield url

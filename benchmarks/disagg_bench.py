@@ -23,8 +23,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench_client import free_port, parse_metrics, stats_ms, stream_completion, summarize, wait_until_healthy
+from bench_client import free_port, launch, parse_metrics, stats_ms, stream_completion, summarize
 
 SETUPS = ("unified", "disaggregated")
 
@@ -50,30 +48,6 @@ def workload(num: int, *, long_fraction: float, short_len: int, long_len: int, s
         out.append((kind, rng.integers(100, vocab_size - 100, size=n).tolist(),
                     long_out if kind == "long" else short_out))
     return out
-
-
-@contextlib.contextmanager
-def process(args: list[str], health_url: str, log: Path, *, core: int | None, timeout: float):
-    """Run `jaxserve ARGS` (pinned to `core` when given) until the block ends; SIGTERM, then check the exit."""
-    cmd = [sys.executable, "-m", "jaxserve.cli", *args]
-    if core is not None:
-        cmd = ["taskset", "-c", str(core), *cmd]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        seconds = wait_until_healthy(proc, health_url, timeout, str(log))
-        print(f"  ready after {seconds:.1f} s: jaxserve {' '.join(args)}", flush=True)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.returncode not in (0, -signal.SIGTERM):
-            print(f"  warning: exit code {proc.returncode}; see {log}", file=sys.stderr)
 
 
 async def drive(url: str, model: str, requests, rate: float, seed: int) -> tuple[list, float]:
@@ -107,9 +81,9 @@ def run_setup(setup: str, args, requests, workdir: Path) -> dict:
         for i, (role, core) in enumerate(zip(roles, args.cores)):
             http, grpc_port = free_port(), free_port()
             extra = ["--kv-role", role] if role else []
-            stack.enter_context(process(common + ["--port", str(http), "--grpc-port", str(grpc_port), *extra],
-                                        f"http://127.0.0.1:{http}", workdir / f"{setup}-{i}.log",
-                                        core=core, timeout=args.timeout))
+            stack.enter_context(launch(common + ["--port", str(http), "--grpc-port", str(grpc_port), *extra],
+                                       f"http://127.0.0.1:{http}", workdir / f"{setup}-{i}.log", args.timeout,
+                                       prefix=[] if core is None else ["taskset", "-c", str(core)]))
             instances.append((role, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"))
         router_port = free_port()
         flags = []
@@ -117,7 +91,7 @@ def run_setup(setup: str, args, requests, workdir: Path) -> dict:
             flags += ["--prefill" if role == "producer" else "--decode", address]
         router = ["router", *([args.model] if args.model else []), "--port", str(router_port), *flags]
         url = f"http://127.0.0.1:{router_port}"
-        stack.enter_context(process(router, url, workdir / f"{setup}-router.log", core=None, timeout=args.timeout))
+        stack.enter_context(launch(router, url, workdir / f"{setup}-router.log", args.timeout))
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         before = [scrape(u) for _, u, _ in instances]
         results, duration = asyncio.run(drive(url, model, requests, args.request_rate, args.seed))

@@ -78,3 +78,28 @@ def run_until_done(scheduler, runner, max_steps=10_000):
             toks, _ = results.get(o.req_id, ([], None))
             results[o.req_id] = (toks + o.new_token_ids, o.finish_reason)
     raise AssertionError("scheduler did not finish")
+
+
+def assert_pool_consistent(scheduler, runner: FakeRunner, requests, hash_tokens: dict) -> None:
+    """Every block's ref count is the number of requests holding it, free blocks are exactly the
+    unreferenced ones, and every prefix-cache entry points at a block holding the hashed tokens.
+    `hash_tokens` accumulates {block hash: tokens} over the `requests` seen so far."""
+    pool = scheduler.kv.pool
+    holders: dict[int, int] = {}
+    for blocks in scheduler.kv.req_to_blocks.values():
+        for b in blocks:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    free_ids = {b.block_id for b in pool.free_queue}
+    assert len(free_ids) == pool.num_free_blocks
+    assert 0 not in free_ids and 0 not in holders
+    for b in pool.blocks[1:]:
+        assert b.ref_cnt == holders.get(b.block_id, 0)
+        assert (b.block_id in free_ids) == (b.ref_cnt == 0), "a block is both free and in use, or neither"
+    bs = scheduler.config.block_size
+    for req in requests:
+        for i, h in enumerate(req.block_hashes):
+            hash_tokens[h] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
+        assert tuple(runner.block_tokens(block.block_id)) == hash_tokens[h], \
+            "the prefix cache points at a block that does not hold the hashed tokens"

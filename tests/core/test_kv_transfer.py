@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jaxserve.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from jaxserve.core.kv_transfer import ExportRegistry, KVTransferParams, KVTransferStats, blocks_to_load
 
-from .sim import FakeRunner, make_scheduler, run_until_done
+from .sim import FakeRunner, assert_pool_consistent, make_scheduler, run_until_done
 
 
 class Clock:
@@ -225,20 +225,7 @@ class ConsumerMachine(RuleBasedStateMachine):
     def blocks_are_consistent(self):
         if not hasattr(self, "s"):
             return
-        pool = self.s.kv.pool
-        holders: dict[int, int] = {}
-        for blocks in self.s.kv.req_to_blocks.values():
-            for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        for b in pool.blocks[1:]:
-            assert b.ref_cnt == holders.get(b.block_id, 0)
-        bs = self.config.block_size
-        for req in self.s.requests.values():
-            for i, h in enumerate(req.block_hashes):
-                self.hash_tokens[h] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
-        for h, block in pool.cached.items():
-            assert tuple(self.runner.block_tokens(block.block_id)) == self.hash_tokens[h], \
-                "the prefix cache points at a block that does not hold the hashed tokens"
+        assert_pool_consistent(self.s, self.runner, self.s.requests.values(), self.hash_tokens)
         for req in self.s.loading.values():
             assert req.status == RequestStatus.WAITING_FOR_REMOTE_KV and req not in self.s.running
         assert len(self.s.running) <= self.config.max_num_seqs

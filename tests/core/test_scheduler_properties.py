@@ -6,7 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxserve.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 
-from .sim import FakeRunner
+from .sim import FakeRunner, assert_pool_consistent
 
 PREFIXES = [[], [7] * 9, list(range(50, 70))]   # shared prefixes make prefix-cache hits likely
 
@@ -76,26 +76,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def blocks_are_consistent(self):
         if not hasattr(self, "s"):
             return
-        pool = self.s.kv.pool
-        holders: dict[int, int] = {}
-        for blocks in self.s.kv.req_to_blocks.values():
-            for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        free_ids = {b.block_id for b in pool.free_queue}
-        assert len(free_ids) == pool.num_free_blocks
-        assert 0 not in free_ids and 0 not in holders
-        for b in pool.blocks[1:]:
-            assert b.ref_cnt >= 0
-            assert b.ref_cnt == holders.get(b.block_id, 0)
-            assert (b.block_id in free_ids) == (b.ref_cnt == 0), "a block is both free and in use, or neither"
-        for req in list(self.live.values()) + list(self.s.requests.values()):
-            bs = self.config.block_size
-            for i, h in enumerate(req.block_hashes):
-                self.hash_tokens[h] = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
-        for h, block in pool.cached.items():
-            assert block.block_hash == h
-            assert tuple(self.runner.block_tokens(block.block_id)) == self.hash_tokens[h], \
-                "the prefix cache points at a block that does not hold the hashed tokens"
+        assert_pool_consistent(self.s, self.runner, list(self.live.values()) + list(self.s.requests.values()),
+                               self.hash_tokens)
         assert len(self.s.running) <= self.config.max_num_seqs
 
     def teardown(self):

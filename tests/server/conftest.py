@@ -10,7 +10,9 @@ import httpx
 import pytest
 import uvicorn
 
+from checkpoints import load_hf_folder
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.tokenizer import Tokenizer
 from server import create_app
 
 
@@ -38,6 +40,21 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+# The scripted engine's tests (tests/server/scripted.py) generate words of this sentence.
+SENTENCE = " one two three four five six seven eight nine ten eleven twelve"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_models):
+    """The tiny model's real tokenizer."""
+    return Tokenizer.from_checkpoint(load_hf_folder(tiny_models["llama"]))
+
+
+@pytest.fixture(scope="module")
+def words(tok):
+    return tok.encode(SENTENCE, add_special_tokens=False)
 
 
 @pytest.fixture(scope="session")

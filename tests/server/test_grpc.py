@@ -21,7 +21,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from checkpoints import load_hf_folder
 from jaxserve.cli import build_parser, engine_config
 from jaxserve.cli import main as cli_main
 from jaxserve.config import EngineConfig
@@ -32,7 +31,6 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.tokenizer import Tokenizer
 from server.app import serve
 from server.grpc_server import GENERATION, _Choices, kv_params_from_proto, kv_params_to_proto, start_grpc_server
 from tests.conftest import TINY_ENGINE_OPTIONS
@@ -40,7 +38,6 @@ from tests.conftest import TINY_ENGINE_OPTIONS
 from .conftest import RunningServer, free_port
 from .scripted import ScriptedEngine
 
-SENTENCE = " one two three four five six seven eight nine ten eleven twelve"
 
 
 class GrpcThread:
@@ -327,16 +324,6 @@ def test_a_producer_serves_kv_transfer_and_returns_its_export(tiny_models):
 
 
 # ---- the scripted engine: outputs worked out by hand ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models):
-    return Tokenizer.from_checkpoint(load_hf_folder(tiny_models["llama"]))
-
-
-@pytest.fixture(scope="module")
-def words(tok):
-    return tok.encode(SENTENCE, add_special_tokens=False)
 
 
 def scripted_engine(tok, words, **kw) -> ScriptedEngine:

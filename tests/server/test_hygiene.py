@@ -10,21 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import load_hf_folder
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.protocol import RequestLimits
-from jaxserve.tokenizer import Tokenizer
 
 from .conftest import RunningServer
 from .scripted import ScriptedEngine
 
 LIMITS = RequestLimits(max_prompts_per_request=8, max_sequences_per_request=16, max_stop_strings=4,
                        max_stop_string_chars=10, max_stop_token_ids=5, max_logprobs=3)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models):
-    return Tokenizer.from_checkpoint(load_hf_folder(tiny_models["llama"]))
 
 
 def scripted_server(tok, **app_kwargs):

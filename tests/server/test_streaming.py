@@ -11,24 +11,11 @@ import httpx
 import openai
 import pytest
 
-from checkpoints import load_hf_folder
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.tokenizer import Tokenizer
 
 from .conftest import RunningServer
 from .scripted import ScriptedEngine
 
-SENTENCE = " one two three four five six seven eight nine ten eleven twelve"
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models):
-    return Tokenizer.from_checkpoint(load_hf_folder(tiny_models["llama"]))
-
-
-@pytest.fixture(scope="module")
-def words(tok):
-    return tok.encode(SENTENCE, add_special_tokens=False)
 
 
 def script_for(words):
