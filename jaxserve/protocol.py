@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jaxserve.core import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.tool_parsers import ToolParser, finish_reason
+from jaxserve.tool_parsers import ToolParser, finish_reason, forced_tool_parser, forced_tool_schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +171,7 @@ class _SamplingFields(BaseModel):
                      "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
+        structured = self._structured_outputs()     # its own RequestErrors name their param
         try:
             return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                                   ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
@@ -179,7 +180,7 @@ class _SamplingFields(BaseModel):
                                   prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else
                                   self.prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-                                  structured_outputs=self._structured_outputs(), **kw)
+                                  structured_outputs=structured, **kw)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
 
@@ -251,11 +252,7 @@ class ChatCompletionRequest(_SamplingFields):
         elif choice not in (None, "none", "auto", "required"):
             raise RequestError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or "
                                "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
-        if isinstance(choice, dict) or choice == "required":
-            what = "a named tool_choice" if isinstance(choice, dict) else "tool_choice='required'"
-            raise RequestError(f"{what} is not supported: vLLM forces the call with guided decoding, which "
-                               "jaxserve does not have; use tool_choice='auto'", param="tool_choice")
-        if self.tools and choice != "none" and tool_parser is None:
+        if self.tools and choice in (None, "auto") and tool_parser is None:
             raise RequestError(
                 "tool calling is not enabled on this server: the model's tool calls would not be parsed. "
                 "Send tool_choice='none' to render the tools into the prompt without parsing calls, or "
@@ -263,8 +260,31 @@ class ChatCompletionRequest(_SamplingFields):
                 param="tool_choice")
 
     def parses_tool_calls(self, tool_parser: ToolParser | None) -> bool:
-        """Whether the output is parsed for tool calls (tool_choice "auto", given or by default)."""
-        return tool_parser is not None and bool(self.tools) and self.tool_choice in (None, "auto")
+        """Whether the output is parsed for tool calls (see `output_tool_parser`)."""
+        return self.output_tool_parser(tool_parser) is not None
+
+    def output_tool_parser(self, tool_parser: ToolParser | None) -> ToolParser | None:
+        """What parses the output for calls: the server's parser under tool_choice "auto" (given or by
+        default); for "required" or a named function, the parser of the constrained JSON (vLLM's forced
+        tool choice, which needs no server flag); None when calls are not parsed."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            return forced_tool_parser(self._forced_tool_name())
+        return tool_parser
+
+    def _forced_tool_name(self) -> str | None:
+        return _named_tool_choice(self.tool_choice) if isinstance(self.tool_choice, dict) else None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        forced = self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+        if not forced:
+            return super()._structured_outputs()
+        if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+            raise RequestError("a forced tool_choice ('required' or a named function) constrains the output "
+                               "itself: drop response_format / structured_outputs", param="tool_choice")
+        schema = forced_tool_schema(self.tools, self._forced_tool_name(), parallel=self.parallel_tool_calls is not False)
+        return StructuredOutputsParams(json=json.dumps(schema))
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -464,15 +484,15 @@ def completion_response(req: CompletionRequest, outputs: list[RequestOutput], mo
 def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, tokenizer,
                   tool_parser: ToolParser | None = None) -> dict:
     choices = []
-    parse_tools = req.parses_tool_calls(tool_parser)
+    parser = req.output_tool_parser(tool_parser)
     for c in out.outputs:
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-        if parse_tools:
-            parsed = tool_parser.parse(c.text)
+        if parser is not None:
+            parsed = parser.parse(c.text)
             if parsed.tool_calls:
                 message = {"role": "assistant", "content": parsed.content,
                            "tool_calls": [call.json() for call in parsed.tool_calls]}
-                reason = finish_reason(reason, called=True)
+                reason = finish_reason(reason, called=parser.calls_finish)
         choices.append({
             "index": c.index, "message": message,
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)

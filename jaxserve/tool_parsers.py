@@ -196,6 +196,7 @@ class ToolParser:
     name: str
     parse: Callable[[str], ParsedText]
     stream: Callable[[], HermesStream]
+    calls_finish: bool = True    # a call makes finish_reason "tool_calls" (a named tool_choice keeps "stop")
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {"hermes": ToolParser("hermes", parse_hermes, HermesStream)}
@@ -205,3 +206,56 @@ def get_tool_parser(name: str) -> ToolParser:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
     return TOOL_PARSERS[name]
+
+
+# ---- tool_choice "required" or a named function: the output is constrained, not parsed -----------
+
+
+def forced_tool_schema(tools: list[dict], name: str | None, parallel: bool = True) -> dict:
+    """The JSON schema a forced tool choice constrains the output to (vLLM's): a named function's
+    arguments object, or for "required" (`name` None) a non-empty array of {"name", "parameters"},
+    of one call at most unless `parallel` (OpenAI's parallel_tool_calls)."""
+    def params(tool: dict) -> dict:
+        p = tool["function"].get("parameters")
+        return p if isinstance(p, dict) else {"type": "object"}
+    functions = [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    if name is not None:
+        return params(next(t for t in functions if t["function"].get("name") == name))
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "parameters": params(t)},
+         "required": ["name", "parameters"], "additionalProperties": False} for t in functions]}}
+
+
+def forced_tool_parser(name: str | None) -> ToolParser:
+    """The parser of a forced tool choice's output: the named function's arguments, or the "required"
+    array of calls. Text that does not parse (a generation cut by max_tokens) stays content."""
+    def parse(text: str) -> ParsedText:
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError):
+            return ParsedText(text, [])
+        if name is not None:
+            return ParsedText(None, [ToolCall(name, text)]) if isinstance(obj, dict) else ParsedText(text, [])
+        if not isinstance(obj, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in obj):
+            return ParsedText(text, [])
+        return ParsedText(None, [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+                                 for c in obj])
+    return ToolParser("forced", parse, lambda: WholeStream(parse), calls_finish=name is None)
+
+
+class WholeStream:
+    """A stream parser that holds everything back and parses the whole text at the end (the forced
+    choices' JSON is only a call once complete)."""
+
+    def __init__(self, parse: Callable[[str], ParsedText]) -> None:
+        self.parse, self.text, self.num_calls = parse, "", 0
+
+    def feed(self, text: str) -> StreamDelta:
+        self.text += text
+        return StreamDelta()
+
+    def finish(self) -> StreamDelta:
+        parsed = self.parse(self.text)
+        self.num_calls = len(parsed.tool_calls)
+        return StreamDelta(parsed.content or "",
+                           [{"index": i, **call.json()} for i, call in enumerate(parsed.tool_calls)])

@@ -276,7 +276,8 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
     cid, created = new_id("chatcmpl"), int(time.time())
     include_usage, continuous = _usage_flags(req)
     counts = _Usage()
-    parsers: dict[int, HermesStream] | None = {} if req.parses_tool_calls(tool_parser) else None  # by choice
+    tool_parser = req.output_tool_parser(tool_parser)
+    parsers: dict[int, HermesStream] | None = {} if tool_parser is not None else None  # by choice
 
     def chunk(choices):
         c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
@@ -300,7 +301,8 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
                 parsed = parser.feed(c.text)
                 if c.finish_reason is not None:
                     parsed += parser.finish()
-                delta, reason = parsed.json(), finish_reason(c.finish_reason, called=parser.num_calls > 0)
+                delta = parsed.json()
+                reason = finish_reason(c.finish_reason, called=tool_parser.calls_finish and parser.num_calls > 0)
             yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
                           "finish_reason": reason, "stop_reason": c.stop_reason}])
         if out.finished:

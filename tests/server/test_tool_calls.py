@@ -267,15 +267,13 @@ def test_tool_choices_the_server_cannot_honour_are_400s(scripted):
             _error(plain, body)["message"]
     named = {"type": "function", "function": {"name": "get_weather"}}
     for s in (srv, plain):
-        assert "guided decoding" in _error(s, {"tools": [WEATHER], "tool_choice": "required"})["message"]
-        assert "guided decoding" in _error(s, {"tools": [WEATHER], "tool_choice": named})["message"]
+        conflict = _error(s, {"tools": [WEATHER], "tool_choice": named, "response_format": {"type": "json_object"}})
+        assert "drop response_format" in conflict["message"]
         unknown = _error(s, {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
         assert "'nope'" in unknown["message"] and "'get_weather'" in unknown["message"]
         assert "needs tools" in _error(s, {"tool_choice": "auto"})["message"]
         assert "'sometimes'" in _error(s, {"tools": [WEATHER], "tool_choice": "sometimes"})["message"]
         assert "{'type': 'function'" in _error(s, {"tools": [WEATHER], "tool_choice": {"type": "x"}})["message"]
-    with pytest.raises(openai.BadRequestError, match="guided decoding"):
-        chat(srv, tools=[WEATHER], tool_choice="required")
 
 
 HISTORY = [{"role": "user", "content": "weather in Oslo?"},
@@ -348,3 +346,53 @@ def test_real_model_with_tools_streams_what_it_answers_whole(tiny_tools_server):
     assert full.finish_reason == "length" and full.message.tool_calls is None   # random tokens: no call
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- forced tool choice ("required", a named function): constrained output, no server flag ------
+
+STRICT_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_llm_engine):
+    srv = RunningServer(AsyncEngine(tiny_llm_engine), served_model_name="tiny")    # no tool parser flags
+    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x")
+    srv.stop()
+
+
+def test_a_named_tool_choice_always_calls_that_function_with_valid_arguments(tiny_client):
+    import jsonschema
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[STRICT_WEATHER, TIME],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=1.0)
+    r = tiny_client.chat.completions.create(n=20, seed=4, **kw)
+    for c in r.choices:
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_weather" and c.finish_reason == "stop" and not c.message.content
+        jsonschema.validate(json.loads(call.function.arguments), STRICT_WEATHER["function"]["parameters"])
+    chunks = list(tiny_client.chat.completions.create(stream=True, seed=4, **kw))
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [tc.function.arguments for tc in calls] == [r.choices[0].message.tool_calls[0].function.arguments]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_required_tool_choice_makes_at_least_one_call_among_the_tools(tiny_client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "go"}], tools=[STRICT_WEATHER, TIME],
+              tool_choice="required", n=20, seed=9, max_tokens=100, temperature=1.0)
+    # With parallel calls a random model may keep adding calls until max_tokens: what completes is calls.
+    r = tiny_client.chat.completions.create(**kw)
+    done = [c for c in r.choices if c.finish_reason == "tool_calls"]
+    assert done and all(len(c.message.tool_calls) >= 1 for c in done)
+    assert all(c.finish_reason == "length" and c.message.content.startswith("[") for c in r.choices
+               if c not in done)
+    r = tiny_client.chat.completions.create(parallel_tool_calls=False, **kw)
+    names = set()
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message.content
+        for call in c.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time") and isinstance(
+                json.loads(call.function.arguments), dict)
+            names.add(call.function.name)
+    assert names == {"get_weather", "get_time"}     # the choice among tools is the model's
