@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.core.speculative import SpeculativeConfig
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -18,6 +20,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True      # split prompts longer than what is left of the budget
     long_prefill_token_threshold: int = 0    # cap on one request's prefill chunk (0: no cap)
     policy: str = "fcfs"                     # "fcfs" or "priority" (lower value first)
+    speculative: SpeculativeConfig | None = None   # n-gram speculative decoding (jaxserve.core.speculative)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):

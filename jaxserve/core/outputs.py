@@ -42,6 +42,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int                   # sum of num_scheduled_tokens (<= the token budget)
     preempted_req_ids: set[str]                       # dropped this step; the runner forgets their state
     finished_req_ids: set[str]                        # ended since the last step; the runner forgets them
+    # Speculative decoding: the draft tokens computed after each listed request's last token this step
+    # (its num_scheduled_tokens counts them); the runner samples at each and keeps what matches.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -72,6 +72,7 @@ class Request:
         # Structured output: the sequence's grammar matcher (jaxserve.engine.structured_output.Grammar,
         # duck-typed: accept_token(id), is_terminated()), advanced with every token appended.
         self.grammar = None
+        self.ngram_index = None        # speculative decoding's proposer state (jaxserve.core.speculative)
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output

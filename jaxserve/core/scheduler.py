@@ -27,6 +27,7 @@ from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, Logprobs
                                    NewRequestData, SchedulerOutput)
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import make_queue
+from jaxserve.core.speculative import NgramIndex, SpecDecodeStats
 
 
 class Scheduler:
@@ -44,6 +45,7 @@ class Scheduler:
         self.token_budget_cap: int | None = None
         self.loading: dict[str, Request] = {}       # WAITING_FOR_REMOTE_KV, by request id
         self.ready: list[Request] = []              # pulls ended; they hold their blocks and go first
+        self.spec_stats = SpecDecodeStats()
         self._kv_loads: list[KVLoad] = []           # pulls to start (take_kv_loads)
         self._kv_exports: list[KVExport] = []       # finished producer requests (take_kv_exports)
 
@@ -126,6 +128,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         # Running requests first: each catches up as far as the budget allows.
         i = 0
@@ -135,16 +138,24 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
-                victim = self._pick_victim()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim.request_id in num_scheduled:  # priority policy may pick an earlier one
-                    budget += num_scheduled.pop(victim.request_id)
-                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
-                    i -= 1
-                if victim is request:
-                    break
+            drafts = self._drafts(request, budget) if num_new == 1 and self.config.speculative else []
+            # Drafts only where they fit as they are: short of blocks, the request decodes plainly.
+            new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
+            if new_block_ids is not None:
+                num_new += len(drafts)
+                spec_tokens[request.request_id] = drafts
+            else:
+                while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
+                    victim = self._pick_victim()
+                    self._preempt(victim)
+                    preempted.add(victim.request_id)
+                    if victim.request_id in num_scheduled:  # priority policy may pick an earlier one
+                        budget += num_scheduled.pop(victim.request_id)
+                        spec_tokens.pop(victim.request_id, None)
+                        cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                        i -= 1
+                    if victim is request:
+                        break
             if request.request_id in preempted:
                 continue
             num_scheduled[request.request_id] = num_new
@@ -217,7 +228,24 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=preempted,
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """n-gram draft tokens for a decoding request, within what the budget, max_model_len and
+        max_tokens leave (every draft accepted still leaves room for the bonus token)."""
+        p = request.sampling_params
+        if (request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None
+                or p.logprobs is not None or p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty != 1.0 or request.num_output_tokens < p.min_tokens):
+            return []   # these sample with state a draft would change: they decode plainly
+        limit = min(budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - request.num_output_tokens - 1)
+        spec = self.config.speculative
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return request.ngram_index.propose(request.all_token_ids, min(spec.num_speculative_tokens, limit))
 
     def _admit_kv_load(self, request: Request, computed_blocks, num_computed: int) -> bool | None:
         """Allocate blocks for the prompt blocks a pull brings and park the request; False if the
@@ -314,6 +342,12 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id, [], [], num_cached_tokens=max(request.num_cached_tokens, 0),
                                                     new_prompt_logprobs=new_prompt_lps))
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # The runner kept len(token_ids) - 1 drafts; the KV of the rest is rewritten later.
+                accepted = len(token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - accepted
+                self.spec_stats.record(len(drafts), accepted)
             new_ids = []
             for token_id in token_ids:
                 request.append_output_token_id(token_id)

@@ -33,17 +33,25 @@ class FakeRunner:
         for req_id, n in out.num_scheduled_tokens.items():
             st = self.state[req_id]
             start = st["computed"]
-            assert n > 0 and start + n <= len(st["tokens"])
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+            tokens = st["tokens"] + drafts       # drafts follow the last real token
+            assert n > 0 and start + n == len(tokens) if drafts else start + n <= len(tokens)
             for pos in range(start, start + n):
                 block = st["blocks"][pos // self.block_size]
                 assert block != 0, "wrote into the null block"
-                self.slots[block * self.block_size + pos % self.block_size] = st["tokens"][pos]
+                self.slots[block * self.block_size + pos % self.block_size] = tokens[pos]
             st["computed"] = start + n
             req_ids.append(req_id)
-            if st["computed"] == len(st["tokens"]):
-                tok = self.next_token(st["tokens"])
-                st["tokens"].append(tok)
-                sampled.append([tok])
+            if st["computed"] >= len(st["tokens"]):
+                # A token after the last real one and after each draft; drafts are kept while they match.
+                new = [self.next_token(st["tokens"])]
+                for d in drafts:
+                    if d != new[-1]:
+                        break
+                    new.append(self.next_token(st["tokens"] + new))
+                st["computed"] -= len(drafts) - (len(new) - 1)
+                st["tokens"] += new
+                sampled.append(new)
             else:
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

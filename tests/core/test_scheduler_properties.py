@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxserve.core import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from jaxserve.core.speculative import SpeculativeConfig
 
 from .sim import FakeRunner, assert_pool_consistent
 
@@ -21,14 +22,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 3]),
+        speculative=st.sampled_from([None, None, (3, 1, 2), (1, 2, 4)]),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, chunked, caching, threshold):
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, chunked, caching, threshold, speculative):
+        spec = None if speculative is None else SpeculativeConfig("ngram", *speculative)
         self.config = SchedulerConfig(
             max_model_len=64 if chunked else budget, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
-            enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold, policy=policy)
+            enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold, policy=policy, speculative=spec)
         self.s = Scheduler(self.config)
-        self.runner = FakeRunner(num_blocks, block_size)
+        # A small vocabulary repeats n-grams, so drafts are proposed and often accepted.
+        self.runner = FakeRunner(num_blocks, block_size, vocab=1000 if spec is None else 3)
         self.live: dict[str, Request] = {}
         self.done: dict[str, Request] = {}
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
@@ -58,8 +62,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
         assert all(n > 0 for n in out.num_scheduled_tokens.values())
-        if cfg.long_prefill_token_threshold:
-            assert all(n <= cfg.long_prefill_token_threshold for n in out.num_scheduled_tokens.values())
+        drafts = out.scheduled_spec_decode_tokens
+        if cfg.long_prefill_token_threshold:   # a prefill cap: a decode's drafts come on top
+            assert all(n - len(drafts.get(r, [])) <= cfg.long_prefill_token_threshold
+                       for r, n in out.num_scheduled_tokens.items())
+        for r, d in drafts.items():
+            assert cfg.speculative and 1 <= len(d) <= cfg.speculative.num_speculative_tokens
+            assert out.num_scheduled_tokens[r] == 1 + len(d)
         for o in self.s.update_from_output(out, self.runner.execute(out)):
             if o.finished:
                 self.done[o.req_id] = self.live.pop(o.req_id)
