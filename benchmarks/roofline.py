@@ -144,7 +144,10 @@ def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context
 def xla_costs(engine: LLMEngine) -> dict[int, dict[str, float]]:
     """XLA's own FLOP and bytes-accessed estimates of the compiled step, per token bucket."""
     out = {}
-    for bucket, exe in sorted(getattr(engine.runner, "_executables", {}).items()):
+    runner = engine.runner
+    for (bucket, rows), exe in sorted(getattr(runner, "_executables", {}).items()):
+        if rows != runner.rows(bucket):
+            continue      # the speculative-decoding variant of a bucket
         cost = exe.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         if cost:

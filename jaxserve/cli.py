@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run a Pallas attention backend on a few random cases at start-up and compare with an "
                         "exact oracle (auto falls back to the reference on a mismatch; an explicit backend fails)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='n-gram speculative decoding, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
     m = p.add_argument_group("multi-host (one engine over several processes' devices, via jax.distributed)")
     m.add_argument("--coordinator-address", default=None, help="host:port of process 0's coordinator")
     m.add_argument("--num-processes", type=int, default=1, help="processes the engine spans")
@@ -79,7 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=_data_parallel_size(args),
         attention_backend=args.attention_backend, attention_self_check=args.attention_self_check,
-        seed=args.seed, token_buckets=args.token_buckets,
+        seed=args.seed, token_buckets=args.token_buckets, speculative_config=args.speculative_config,
         coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id,
         **{name: getattr(args, name) for name in _SERVE_ONLY_OPTIONS if hasattr(args, name)})
 

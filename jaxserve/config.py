@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.kv_transfer import KV_ROLES, LOAD_FAILURE_POLICIES
+from jaxserve.core.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)     # "auto": resolved per device at start-up (jaxserve.engine.devices)
@@ -51,6 +52,9 @@ class EngineConfig:
     kv_role: str | None = None                # "producer" | "consumer" | None
     kv_lease_seconds: float = 30.0            # producer: how long an export waits for its pull
     kv_load_failure_policy: str = "recompute" # consumer: a failed pull "recompute"s the prompt or "fail"s it
+    # n-gram speculative decoding (vLLM's --speculative-config: a dict or its JSON text; held parsed,
+    # as a jaxserve.core.speculative.SpeculativeConfig); None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # Multi-host: one engine over the devices of `num_processes` processes (jax.distributed);
     # process 0 schedules and serves, the others follow its steps.
     coordinator_address: str | None = None    # "host:port" of process 0's coordinator
@@ -93,6 +97,7 @@ class EngineConfig:
                              "a multi-process engine runs one replica spanning every process's devices")
         if not isinstance(self.background_warmup_after, int) or self.background_warmup_after < 0:
             raise ValueError(f"background_warmup_after={self.background_warmup_after!r} must be an integer >= 0")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.kv_role not in (None, *KV_ROLES):
             raise ValueError(f"kv_role={self.kv_role!r} must be one of {KV_ROLES} or None")
         if not self.kv_lease_seconds > 0:

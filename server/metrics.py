@@ -33,6 +33,15 @@ _COUNTERS = {
 }
 
 
+# vLLM's speculative-decoding counters: acceptance rate = accepted / draft tokens; tokens per step of a
+# speculating sequence = 1 + accepted / drafts.
+_SPEC_DECODE = {
+    "spec_decode_num_drafts": "Draft proposals verified (one per speculating sequence per step)",
+    "spec_decode_num_draft_tokens": "Draft tokens verified",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted",
+}
+
+
 class _EngineCollector:
     def __init__(self, engine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -47,6 +56,11 @@ class _EngineCollector:
             c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(stats[key]))
             yield c
+        for name, doc in _SPEC_DECODE.items():      # engines without speculative decoding report none
+            if name in stats:
+                c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+                c.add_metric([self.model_name], float(stats[name]))
+                yield c
         kv_stats = getattr(getattr(self.engine, "engine", None), "kv_stats", None)
         if kv_stats is not None and getattr(self.engine.engine, "kv_role", None):
             yield from _kv_transfer_metrics(kv_stats.snapshot(), self.model_name)

@@ -232,7 +232,8 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
         max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, block_size=config.block_size, num_blocks=num_blocks,
         enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy)
+        long_prefill_token_threshold=config.long_prefill_token_threshold, policy=config.scheduling_policy,
+        speculative=config.speculative_config)
 
     t0 = time.perf_counter()
     replicas = []
@@ -241,7 +242,9 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
             model, model_config, block_size=config.block_size, num_blocks=num_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
-            kv_dtype=_DTYPES[config.dtype], mesh=replica_mesh, buckets=config.token_buckets)
+            kv_dtype=_DTYPES[config.dtype], mesh=replica_mesh, buckets=config.token_buckets,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config
+            else 0)
         # A multi-process engine's followers compile what the leader's steps need: all of it, up front.
         runner.warmup(background_after=config.background_warmup_after if config.num_processes == 1 else 0)
         replicas.append(Replica(Scheduler(scheduler_config), runner))

@@ -43,10 +43,11 @@ class RequestState:
 class StepInputs:
     input_ids: jax.Array         # [T] int32 token ids of the flat batch (padding 0)
     positions: jax.Array         # [T] int32 absolute position of each token (padding 0)
-    logits_indices: jax.Array    # [S] int32 flat index of each sequence's last scheduled token (padding 0)
-    banned_token_ids: jax.Array  # [S, MAX_BANNED] int32 ids masked for rows under min_tokens (padding -1)
+    logits_indices: jax.Array    # [R] int32 flat index of each sampling row's token (padding 0): a sequence's
+                                 # last scheduled token, and with drafts the last real token and each draft
+    banned_token_ids: jax.Array  # [R, MAX_BANNED] int32 ids masked for rows under min_tokens (padding -1)
     want_logprobs: jax.Array     # [] bool: some row asked for top-N logprobs
-    token_bitmask: jax.Array     # [S, ceil(V / 32)] int32 allowed tokens (structured output); all ones unconstrained
+    token_bitmask: jax.Array     # [R, ceil(V / 32)] int32 allowed tokens (structured output); all ones unconstrained
     use_bitmask: jax.Array       # [] bool: some row is constrained (else the mask is not applied at all)
     attn: AttentionMetadata
     sampling: SamplingMetadata
@@ -135,75 +136,94 @@ def prepare_inputs(
     max_model_len: int,
     vocab_size: int,
     grammars: dict | None = None,
+    drafts: dict[str, list[int]] | None = None,
+    num_rows: int | None = None,
 ) -> StepInputs:
     """Padded numpy inputs for one step. `scheduled`: (request state, tokens this step), in order.
+
     `grammars`: {request id: Grammar} of the constrained requests that sample this step (they fill
-    their rows of the allowed-token bitmask)."""
+    their rows of the allowed-token bitmask). `drafts`: {request id: draft tokens} scheduled after
+    the request's last token (speculative decoding); such a request samples at its last token and
+    after every draft, one row each, rows in order. `num_rows`: sampling rows (default: one per
+    sequence slot).
+    """
     T = num_tokens_bucket
     S = num_seqs_for_bucket(T, max_num_seqs)
     assert len(scheduled) <= S, (len(scheduled), S)
+    drafts = drafts or {}
+    R = num_rows or S
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.zeros(T, np.int32)
     block_tables = np.zeros((S, max_blocks_per_seq), np.int32)
     context_lens = np.zeros(S, np.int32)
     query_start_loc = np.zeros(S + 1, np.int32)
-    logits_indices = np.zeros(S, np.int32)
-    banned = np.full((S, MAX_BANNED), -1, np.int32)
-    temperature = np.zeros(S, np.float32)
-    top_k = np.zeros(S, np.int32)
-    top_p = np.ones(S, np.float32)
-    min_p = np.zeros(S, np.float32)
-    presence = np.zeros(S, np.float32)
-    frequency = np.zeros(S, np.float32)
-    repetition = np.ones(S, np.float32)
-    seeds = np.zeros(S, np.uint32)
-    sample_index = np.zeros(S, np.int32)
+    logits_indices = np.zeros(R, np.int32)
+    banned = np.full((R, MAX_BANNED), -1, np.int32)
+    temperature = np.zeros(R, np.float32)
+    top_k = np.zeros(R, np.int32)
+    top_p = np.ones(R, np.float32)
+    min_p = np.zeros(R, np.float32)
+    presence = np.zeros(R, np.float32)
+    frequency = np.zeros(R, np.float32)
+    repetition = np.ones(R, np.float32)
+    seeds = np.zeros(R, np.uint32)
+    sample_index = np.zeros(R, np.int32)
     penalised = [i for i, (st, _) in enumerate(scheduled) if _uses_penalties(st.sampling_params)]
     if penalised:
-        output_ids = np.full((S, max_model_len), -1, np.int32)
-        prompt_ids = np.full((S, max_model_len), -1, np.int32)
+        output_ids = np.full((R, max_model_len), -1, np.int32)
+        prompt_ids = np.full((R, max_model_len), -1, np.int32)
     else:   # the common case: one shared read-only array of padding, nothing to fill
-        output_ids = prompt_ids = _no_tokens(S, max_model_len)
+        output_ids = prompt_ids = _no_tokens(R, max_model_len)
     want_logprobs = False
 
-    t = 0
+    t = r = 0
+    first_row = []
     for i, (st, n) in enumerate(scheduled):
         start = st.num_computed_tokens
         end = start + n
         pos = np.arange(start, end, dtype=np.int32)
-        input_ids[t:t + n] = st.token_ids[start:end]
+        extra = drafts.get(st.req_id, ())
+        input_ids[t:t + n] = (st.token_ids + list(extra) if extra else st.token_ids)[start:end]
         positions[t:t + n] = pos
         blocks = np.asarray(st.block_ids, np.int32)
         slot_mapping[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         block_tables[i, :len(blocks)] = blocks
         context_lens[i] = end
         query_start_loc[i + 1] = t + n
-        logits_indices[i] = t + n - 1
+        # A row at the last real token and one after each draft: the same sampling, the next index.
+        k = len(extra)
+        rows = slice(r, r + k + 1)
+        logits_indices[rows] = np.arange(t + n - 1 - k, t + n, dtype=np.int32)
+        first_row.append(r)
         t += n
 
         p = st.sampling_params
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        seeds[i] = st.seed & 0xFFFFFFFF
-        sample_index[i] = st.num_output_tokens
+        temperature[rows], top_k[rows], top_p[rows], min_p[rows] = p.temperature, p.top_k, p.top_p, p.min_p
+        seeds[rows] = st.seed & 0xFFFFFFFF
+        sample_index[rows] = np.arange(st.num_output_tokens, st.num_output_tokens + k + 1)
         want_logprobs |= bool(p.logprobs)
+        # Penalties and min_tokens' bans need the tokens before each row: the scheduler proposes
+        # no drafts for such requests, so they have one row.
         if penalised and _uses_penalties(p):
-            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            output_ids[i, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
-            prompt_ids[i, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]
+            presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            output_ids[r, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
+            prompt_ids[r, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]
         if st.num_output_tokens < p.min_tokens:
             ban = [] if p.ignore_eos else list(st.eos_token_ids)
             ban = (ban + list(p.stop_token_ids))[:MAX_BANNED]
-            banned[i, :len(ban)] = ban
+            banned[r, :len(ban)] = ban
+        r += k + 1
+    assert r <= R, (r, R)
     query_start_loc[len(scheduled) + 1:] = t
     width = -(-vocab_size // 32)
-    if grammars:
-        bitmask = np.full((S, width), -1, np.int32)
-        for i, (st, _) in enumerate(scheduled):
+    if grammars:      # constrained requests have no drafts either: one row each
+        bitmask = np.full((R, width), -1, np.int32)
+        for (st, _), row in zip(scheduled, first_row):
             if st.req_id in grammars:
-                grammars[st.req_id].fill_bitmask(bitmask, i)
+                grammars[st.req_id].fill_bitmask(bitmask, row)
     else:   # the common case: one shared read-only array, never applied
-        bitmask = _all_allowed(S, width)
+        bitmask = _all_allowed(R, width)
 
     attn = AttentionMetadata(
         slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,

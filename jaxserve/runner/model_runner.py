@@ -143,6 +143,7 @@ class ModelRunner:
         kv_dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         buckets: tuple[int, ...] | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -153,6 +154,7 @@ class ModelRunner:
         self.max_logprobs = max(max_logprobs, 1)
         self.eos_token_ids = tuple(eos_token_ids)
         self.buckets = list(buckets) if buckets else token_buckets(max_num_batched_tokens)
+        self.num_speculative_tokens = num_speculative_tokens   # K: steps with drafts sample K + 1 rows a sequence
         self.mesh = mesh or make_mesh()
 
         self.graphdef, params = nnx.split(model)
@@ -171,10 +173,12 @@ class ModelRunner:
         self._write = jax.jit(_write_blocks, donate_argnums=(0,), out_shardings=kv_out)
         self._kv_transfer_executables: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.states: dict[str, RequestState] = {}
-        self._executables: dict[int, jax.stages.Compiled] = {}   # token bucket -> compiled step
-        # token bucket -> compiled prompt-logprobs variant, compiled on first use (not a late
+        # (token bucket, sampling rows) -> compiled step; rows are the sequence slots, or with
+        # speculative decoding also the larger count a step with drafts needs (`spec_rows`)
+        self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+        # (token bucket, rows) -> compiled prompt-logprobs variant, compiled on first use (not a late
         # compile of the step: it is not part of warm-up, so compiles_after_warmup leaves it out)
-        self._prompt_logprobs_executables: dict[int, jax.stages.Compiled] = {}
+        self._prompt_logprobs_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
         self.ready_budget: int | None = None                     # while warm-up runs on: the largest bucket ready
         self.compiling = False                                   # a compile inside a step is running
@@ -277,15 +281,28 @@ class ModelRunner:
 
     # ---- compilation -----------------------------------------------------------------
 
-    def _compile(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
+    def rows(self, bucket: int, speculative: bool = False) -> int:
+        """Sampling rows of a step: one per sequence slot; with drafts K + 1 a sequence, at most a token each."""
+        seqs = num_seqs_for_bucket(bucket, self.max_num_seqs)
+        return min(bucket, seqs * (self.num_speculative_tokens + 1)) if speculative else seqs
+
+    def _variants(self, bucket: int) -> list[tuple[int, int]]:
+        """The (bucket, rows) executables warm-up compiles for a token bucket."""
+        keys = [(bucket, self.rows(bucket))]
+        if self.num_speculative_tokens and self.rows(bucket, True) != keys[0][1]:
+            keys.append((bucket, self.rows(bucket, True)))
+        return keys
+
+    def _compile(self, key: tuple[int, int], prompt_logprobs: bool = False) -> jax.stages.Compiled:
+        bucket, rows = key
+        inputs = self._prepare([], bucket, num_rows=rows)
         # Traced under the mesh: attention runs per device over its heads (kernels_pallas.dispatch).
         with jax.set_mesh(self.mesh):
             if prompt_logprobs:
                 prompt = PromptLogprobsInputs(next_token_ids=np.zeros(bucket, np.int32), want_top=np.bool_(False))
-                lowered = self.prompt_logprobs_step.lower(self.params, self.kv_caches, self._prepare([], bucket),
-                                                          prompt)
+                lowered = self.prompt_logprobs_step.lower(self.params, self.kv_caches, inputs, prompt)
             else:
-                lowered = self.step.lower(self.params, self.kv_caches, self._prepare([], bucket))
+                lowered = self.step.lower(self.params, self.kv_caches, inputs)
         return lowered.compile()
 
     def warmup(self, max_workers: int = 2, *, background_after: int = 0) -> None:
@@ -299,10 +316,11 @@ class ModelRunner:
         now = list(self.buckets)
         if background_after:
             now = [b for b in self.buckets if b <= background_after] or self.buckets[:1]
+        keys = [key for bucket in now for key in self._variants(bucket)]
         with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
-            for bucket, exe in zip(now, pool.map(self._compile, now)):
-                self._executables[bucket] = exe
-        later = [b for b in self.buckets if b not in self._executables]
+            for key, exe in zip(keys, pool.map(self._compile, keys)):
+                self._executables[key] = exe
+        later = [b for b in self.buckets if b not in now]
         self.ready_budget = None if not later else now[-1]
         logger.info("warm-up compiled the step for token buckets %s%s", now,
                     f"; {later} compile in the background" if later else "")
@@ -323,9 +341,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             for bucket in buckets:
-                if self._stop_background:
-                    return
-                self._executables[bucket] = self._compile(bucket)
+                for key in self._variants(bucket):
+                    if self._stop_background:
+                        return
+                    self._executables[key] = self._compile(key)
                 self.ready_budget = bucket if bucket != self.buckets[-1] else None
         except Exception:  # noqa: BLE001 - the engine keeps serving within the buckets it has
             logger.exception("background compile failed; the step's budget stays at %s tokens", self.ready_budget)
@@ -341,34 +360,35 @@ class ModelRunner:
             return not thread.is_alive()
         return True
 
-    def _executable(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
+    def _executable(self, key: tuple[int, int], prompt_logprobs: bool = False) -> jax.stages.Compiled:
         if prompt_logprobs:
-            exe = self._prompt_logprobs_executables.get(bucket)
+            exe = self._prompt_logprobs_executables.get(key)
             if exe is None:
-                logger.info("compiling the prompt-logprobs step for bucket %d (first use)", bucket)
-                exe = self._prompt_logprobs_executables[bucket] = self._compile_now(bucket, prompt_logprobs=True)
+                logger.info("compiling the prompt-logprobs step for bucket %d, %d rows (first use)", *key)
+                exe = self._prompt_logprobs_executables[key] = self._compile_now(key, prompt_logprobs=True)
             return exe
-        exe = self._executables.get(bucket)
+        exe = self._executables.get(key)
         if exe is None:
-            logger.warning("compiling the step for bucket %d after warm-up", bucket)
-            exe = self._executables[bucket] = self._compile_now(bucket)
+            logger.warning("compiling the step for bucket %d, %d rows after warm-up", *key)
+            exe = self._executables[key] = self._compile_now(key)
             self.compiles_after_warmup += 1
         return exe
 
-    def _compile_now(self, bucket: int, prompt_logprobs: bool = False) -> jax.stages.Compiled:
+    def _compile_now(self, key: tuple[int, int], prompt_logprobs: bool = False) -> jax.stages.Compiled:
         """A compile inside a step; `compiling` / `last_compile_end` let a step watchdog not count it."""
         self.compiling = True
         try:
-            return self._compile(bucket, prompt_logprobs=prompt_logprobs)
+            return self._compile(key, prompt_logprobs=prompt_logprobs)
         finally:
             self.compiling = False
             self.last_compile_end = time.monotonic()
 
-    def _prepare(self, scheduled, bucket: int, grammars: dict | None = None) -> StepInputs:
+    def _prepare(self, scheduled, bucket: int, grammars: dict | None = None, drafts: dict | None = None,
+                 num_rows: int | None = None) -> StepInputs:
         return prepare_inputs(scheduled, num_tokens_bucket=bucket, max_num_seqs=self.max_num_seqs,
                               max_blocks_per_seq=self.max_blocks_per_seq, block_size=self.block_size,
                               max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
-                              grammars=grammars)
+                              grammars=grammars, drafts=drafts, num_rows=num_rows)
 
     # ---- one step --------------------------------------------------------------------
 
@@ -403,12 +423,14 @@ class ModelRunner:
         bucket = pick_bucket(so.total_num_scheduled_tokens, self.buckets)
         if len(scheduled) > num_seqs_for_bucket(bucket, self.max_num_seqs):
             raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
-        inputs = self._prepare(scheduled, bucket, grammars)
+        drafts = so.scheduled_spec_decode_tokens
+        key = (bucket, self.rows(bucket, speculative=bool(drafts)))
+        inputs = self._prepare(scheduled, bucket, grammars, drafts, key[1])
         prompt = prepare_prompt_logprobs(scheduled, num_tokens_bucket=bucket)
         extra = () if prompt is None else (prompt,)
         try:
-            self.kv_caches, *outs = self._executable(bucket, prompt is not None)(self.params, self.kv_caches,
-                                                                                 inputs, *extra)
+            self.kv_caches, *outs = self._executable(key, prompt is not None)(self.params, self.kv_caches,
+                                                                              inputs, *extra)
         except Exception as e:
             deleted = [path for path, a in self.param_arrays().items() if isinstance(a, jax.Array) and a.is_deleted()]
             if deleted:
@@ -419,7 +441,7 @@ class ModelRunner:
             logger.error("step failed: bucket=%d seqs=%d prompt_logprobs=%s input shapes=%s", bucket,
                          len(scheduled), prompt is not None, jax.tree.map(np.shape, inputs))
             raise
-        return _Launched(scheduled, outs)
+        return _Launched(scheduled, outs, drafts)
 
     def collect(self, launched: "_Launched") -> ModelRunnerOutput:
         """Wait for a launched step and turn its sampled tokens into plain data."""
@@ -433,16 +455,26 @@ class ModelRunner:
 
         req_ids, sampled, logprobs = [], [], []
         prompt_logprobs = _prompt_logprobs_per_request(scheduled, *prompt_outs) if prompt_outs else None
-        for i, (st, n) in enumerate(scheduled):
+        row = 0
+        for st, n in scheduled:
+            i, drafts = row, launched.drafts.get(st.req_id, [])
+            row += 1 + len(drafts)
             st.num_computed_tokens += n
             req_ids.append(st.req_id)
             if st.num_computed_tokens < len(st.token_ids):
                 sampled.append([])        # mid-prompt chunk: nothing to sample yet
                 logprobs.append(None)
                 continue
-            tok = int(token_ids[i])
-            st.token_ids.append(tok)
-            sampled.append([tok])
+            # Rows i.. hold the token sampled after the last real token and after each draft; a draft
+            # is kept while it equals the token sampled before it, and the rest are rolled back.
+            new = [int(token_ids[i])]
+            for draft in drafts:
+                if draft != new[-1]:
+                    break
+                new.append(int(token_ids[i + len(new)]))
+            st.num_computed_tokens -= len(drafts) - (len(new) - 1)
+            st.token_ids += new
+            sampled.append(new)
             k = st.sampling_params.logprobs
             logprobs.append(None if k is None else Logprobs(
                 float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
@@ -470,3 +502,4 @@ def _prompt_logprobs_per_request(scheduled, token_lps, top_ids, top_lps) -> list
 class _Launched:
     scheduled: list[tuple[RequestState, int]]
     outs: list[jax.Array] | None     # token_ids, token_logprobs, top_ids, top_logprobs[, the prompt three] (on device)
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)   # speculative drafts of this step

@@ -23,7 +23,7 @@ def test_background_warmup_serves_at_once_with_the_same_tokens_and_no_late_compi
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     early = LLM(path, background_warmup_after=4, **OPTIONS)
     runner = early.engine.runner
-    assert 4 in runner._executables
+    assert (4, runner.rows(4)) in runner._executables
     got = [o.outputs[0].token_ids for o in early.generate(prompts, params, use_tqdm=False)]
     assert runner.wait_for_warmup(120) and runner.ready_budget is None
     assert runner.compiles_after_warmup == 0
