@@ -45,7 +45,9 @@ UNIDENTIFIED = {
 
 
 def read(path):
-    return [json.loads(x) for x in path.read_text().splitlines()]
+    # Lines end at "\n" only: str.splitlines() would also split inside a generated text holding
+    # U+0085 or U+2028, which JSON leaves unescaped (file iteration does not split there either).
+    return [json.loads(x) for x in path.read_text().split("\n") if x]
 
 
 def many(n, prompts_every=7):
