@@ -31,3 +31,24 @@ def test_chat_uses_the_gguf_chat_template(llm):
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids, skip_special_tokens=False).startswith("<|im_start|>")
     assert "Paris" in out.outputs[0].text
+
+
+def test_ngram_speculation_gives_the_same_greedy_tokens(llm):
+    """The default model copying passages (where drafts are accepted) and free generation,
+    with and without n-gram speculation, in one mixed batch."""
+    spec = LLM(dtype="float32", max_num_batched_tokens=64, max_num_seqs=16, max_model_len=512,
+               token_buckets=(1, 4, 16, 64), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil and "
+               "a rag, and lit the lamp that warned the boats away from the rocks.")
+    chats = [[{"role": "user", "content": f"Repeat this text exactly: {passage}"}],
+             [{"role": "user", "content": "List the days of the week, then list them again."}]]
+    greedy = SamplingParams(max_tokens=60, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in llm.chat(chats, greedy, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(chats, greedy, use_tqdm=False)]
+    assert got == want
+    prompts = ["Once upon a time", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    stats = spec.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 20 and stats["compiles_after_warmup"] == 0

@@ -43,10 +43,11 @@ def replicas() -> list[SchedulerOutput]:
                            987654321, [5, 6, 7], 0),
         ],
         scheduled_cached_reqs=[CachedRequestData("req-2", [8], 16), CachedRequestData("req-3", [], 9)],
-        num_scheduled_tokens={"req-0": 1, "req-1#2": 5, "req-2": 1, "req-3": 1},
-        total_num_scheduled_tokens=8,
+        num_scheduled_tokens={"req-0": 1, "req-1#2": 5, "req-2": 4, "req-3": 1},
+        total_num_scheduled_tokens=11,
         preempted_req_ids={"req-4"},
         finished_req_ids={"req-5", "req-6"},
+        scheduled_spec_decode_tokens={"req-2": [17, 18, 19]},
     )
     idle = SchedulerOutput([], [], {}, 0, set(), set())
     return [busy, idle]
