@@ -1,4 +1,4 @@
-"""/metrics of a kv-role instance: transfers by outcome, bytes, and the pull-time histogram."""
+"""/metrics extras: a kv-role instance's transfers (by outcome, bytes, pull times) and speculative decoding's counters."""
 
 import types
 
@@ -34,3 +34,13 @@ def test_a_kv_role_instance_exports_its_transfers():
 
 def test_an_ordinary_instance_has_no_transfer_metrics():
     assert "kv_transfer" not in scrape(None, KVTransferStats())
+
+
+def test_speculative_decoding_counters_are_exported_when_the_engine_reports_them():
+    stats = dict.fromkeys(_STATS, 0) | {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 40,
+                                        "spec_decode_num_accepted_tokens": 25}
+    engine = types.SimpleNamespace(engine=types.SimpleNamespace(kv_role=None), stats=lambda: stats)
+    text = generate_latest(ServerMetrics(engine, "m").registry).decode()
+    assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
+    assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0' in text
+    assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 10.0' in text
