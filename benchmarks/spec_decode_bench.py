@@ -2,8 +2,10 @@
 
 Two engines of the same model, one with `--speculative-config` (ngram), one without, run the
 same workloads one after the other, `--repeats` times interleaved (medians reported):
-  edit    "repeat/edit this passage" chat requests, greedy: outputs copy long spans of the
-          prompt, where an n-gram lookup should pay
+  edit    "repeat/edit this passage" chat requests, greedy, all at once: outputs copy long spans
+          of the prompt, where an n-gram lookup should pay
+  edit1   the same requests one at a time (batch 1: a step reads every weight for one token, so
+          the drafts ride along almost free)
   random  random-token prompts (64-256 tokens), 128 tokens out, EOS ignored: almost nothing to
           look up, so speculation should cost little
 Reported per workload: output tokens per second of each engine and their ratio, whether the
@@ -11,6 +13,7 @@ outputs are identical, the acceptance rate (accepted / draft tokens) and the tok
 speculating sequence gains per step (1 + accepted / drafts).
 
     python benchmarks/spec_decode_bench.py [--k 4] [--lookup 2,4] [--repeats 3] [--dtype float32]
+        [--workloads edit,edit1,random]
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def run(llm: LLM, workload: str, prompts, params) -> tuple[float, list[list[int]
     t0 = time.perf_counter()
     if workload == "edit":
         outs = llm.chat(prompts, params, use_tqdm=False)
+    elif workload == "edit1":
+        outs = [llm.chat(p, params, use_tqdm=False)[0] for p in prompts]
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-random", type=int, default=32)
-    ap.add_argument("--workloads", default="edit,random")
+    ap.add_argument("--workloads", default="edit,edit1,random")
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.lookup.split(","))
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engines["plain"].engine.model_config.vocab_size
     workloads = {
         "edit": (edit_requests(), SamplingParams(max_tokens=160, temperature=0.0)),
+        "edit1": (edit_requests()[::3], SamplingParams(max_tokens=160, temperature=0.0)),
         "random": (offline_random_prompts(args.num_random, vocab, seed=0),
                    SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)),
     }

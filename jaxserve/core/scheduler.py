@@ -130,6 +130,9 @@ class Scheduler:
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
 
+        spec = self.config.speculative
+        speculate = spec is not None and (spec.disable_by_batch_size is None
+                                          or len(self.running) < spec.disable_by_batch_size)
         # Running requests first: each catches up as far as the budget allows.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -138,7 +141,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._drafts(request, budget) if num_new == 1 and self.config.speculative else []
+            drafts = self._drafts(request, budget) if num_new == 1 and speculate else []
             # Drafts only where they fit as they are: short of blocks, the request decodes plainly.
             new_block_ids = self.kv.allocate_slots(request, num_new + len(drafts)) if drafts else None
             if new_block_ids is not None:

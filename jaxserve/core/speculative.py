@@ -31,6 +31,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # No drafts while this many requests run or more (vLLM's name): a large batch already keeps the
+    # device busy, and each draft costs a token of compute there. None: speculate at any batch size.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -42,6 +45,10 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative num_speculative_tokens={self.num_speculative_tokens} exceeds "
                              f"{MAX_SPECULATIVE_TOKENS}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                        or self.disable_by_batch_size < 1):
+            raise ValueError(f"speculative disable_by_batch_size={self.disable_by_batch_size!r} must be a positive "
+                             "integer")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -61,7 +68,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; known: method, "
-                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
+                             "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size")
         if "method" not in value:
             raise ValueError('speculative_config needs "method" (e.g. "ngram")')
         return cls(**value)

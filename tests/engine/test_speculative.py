@@ -89,6 +89,20 @@ def test_stop_tokens_and_max_tokens_end_where_plain_decoding_ends(plain, spec):
         assert token_ids(spec.generate(ps, p, use_tqdm=False)) == token_ids(plain.generate(ps, p, use_tqdm=False))
 
 
+def test_disable_by_batch_size_stops_drafting_in_large_batches(tiny_models, plain):
+    capped = LLM(str(tiny_models["llama"]), speculative_config={**NGRAM, "disable_by_batch_size": 4},
+                 **TINY_ENGINE_OPTIONS)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ps = prompts(16, seed=5)
+    assert token_ids(capped.generate(ps, params, use_tqdm=False)) == token_ids(plain.generate(ps, params,
+                                                                                             use_tqdm=False))
+    drafts = capped.engine.stats()["spec_decode_num_drafts"]
+    capped.generate(ps[:2], params, use_tqdm=False)        # 2 running: below the cap, it drafts
+    assert capped.engine.stats()["spec_decode_num_drafts"] > drafts
+    # 16 at once: it drafted only once fewer than 4 were left running
+    assert drafts < 16 * 30 // 4
+
+
 def test_preemption_under_a_small_pool_keeps_the_tokens(tiny_models, plain):
     small = LLM(str(tiny_models["llama"]), speculative_config=NGRAM,
                 **{**TINY_ENGINE_OPTIONS, "num_kv_blocks": 40})
@@ -105,6 +119,7 @@ def test_preemption_under_a_small_pool_keeps_the_tokens(tiny_models, plain):
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "exceeds"),
     ({"method": "ngram", "k": 3}, "unknown field"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"num_speculative_tokens": 3}, "needs \"method\""),
     ("{nope", "not JSON"),
     ([1], "JSON object"),
