@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="no drafts while this many requests run (the config's disable_by_batch_size)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-random", type=int, default=32)
     ap.add_argument("--workloads", default="edit,edit1,random")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.lookup.split(","))
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": lo,
-                   "prompt_lookup_max": hi}
+                   "prompt_lookup_max": hi, "disable_by_batch_size": args.disable_by_batch_size}
     engines = {"plain": LLM(args.model, dtype=args.dtype),
                "ngram": LLM(args.model, dtype=args.dtype, speculative_config=spec_config)}
     vocab = engines["plain"].engine.model_config.vocab_size
