@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.oracle import make_batch
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 
 BLOCK_SIZE, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, MAX_CONTEXT = 16, 3, 9, 64, 2048
@@ -54,23 +55,11 @@ def next_pow2(n):
 
 def make_inputs(seqs, *, seq_slots, seed=0):
     """Inputs for sequences given as (context_len, q_len), blocks shuffled over the pool."""
-    rng = np.random.default_rng(seed)
-    num_tokens = next_pow2(sum(q for _, q in seqs))
     blocks_needed = sum(-(-ctx // BLOCK_SIZE) for ctx, _ in seqs)
-    num_blocks = blocks_needed + 1
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    block_tables = np.zeros((seq_slots, MAX_BLOCKS), np.int32)
-    for s, (ctx, _) in enumerate(seqs):
-        n = -(-ctx // BLOCK_SIZE)
-        block_tables[s, :n] = [free.pop() for _ in range(n)]
-    context_lens = np.zeros(seq_slots, np.int32)
-    context_lens[:len(seqs)] = [ctx for ctx, _ in seqs]
-    q_lens = [q for _, q in seqs] + [0] * (seq_slots - len(seqs))
-    query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = rng.standard_normal((num_tokens, NUM_Q_HEADS, HEAD_DIM), np.float32)
-    kv_cache = rng.standard_normal((2, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM), np.float32)
-    return tuple(map(jnp.asarray, (q, kv_cache, block_tables, context_lens, query_start_loc,
-                                    np.int32(len(seqs)))))
+    batch = make_batch(seqs, seed=seed, num_tokens=next_pow2(sum(q for _, q in seqs)), num_seq_slots=seq_slots,
+                       block_size=BLOCK_SIZE, num_blocks=blocks_needed + 1, max_blocks=MAX_BLOCKS,
+                       num_kv_heads=NUM_KV_HEADS, group=NUM_Q_HEADS // NUM_KV_HEADS, head_dim=HEAD_DIM)
+    return tuple(map(jnp.asarray, batch))
 
 
 def time_calls(fns, args, *, repeats, clock, warmup=2):

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.core import SamplingParams
 from jaxserve.core.kv_transfer import IncompatibleKVError, KVTransferParams, UnknownTransferError
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from jaxserve.engine.kv_connector import MAX_MESSAGE_BYTES      # the consumer's channels use the same limit
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 KV_TRANSFER = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
-MAX_MESSAGE_BYTES = 64 * 2**20        # a KV chunk or a long prompt fits with room to spare
 
 _ROLES = {pb.KV_ROLE_PRODUCE: "produce", pb.KV_ROLE_CONSUME: "consume"}
 _ROLE_VALUES = {name: value for value, name in _ROLES.items()}
@@ -275,7 +275,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stats, core = self.engine.stats(), self.engine.engine
         return pb.ServerInfo(num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
                              kv_usage=stats["kv_usage"], kv_role=core.config.kv_role or "",
-                             num_exports=len(core.exports) if core.exports is not None else 0,
+                             num_exports=int(stats.get("num_kv_exports", 0)),
                              num_waiting_for_kv=int(stats.get("num_waiting_for_kv", 0)),
                              kv_free_blocks=int(stats["kv_free_blocks"]), kv_total_blocks=int(stats["kv_total_blocks"]),
                              healthy=self.engine.is_healthy)

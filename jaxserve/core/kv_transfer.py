@@ -59,7 +59,6 @@ class Export:
     dtype: str                    # the payload's dtype name ("float32", "bfloat16", ...)
     num_blocks: int
     expires_at: float
-    nbytes: int
     pulls: int = 0                # pulls in progress (an export is not expired under a running pull)
 
 
@@ -82,17 +81,11 @@ class ExportRegistry:
             self._expire_locked()
             return len(self._exports)
 
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the exports hold."""
-        with self._lock:
-            return sum(e.nbytes for e in self._exports.values())
-
-    def add(self, transfer_id: str, payload: Any, dtype: str, num_blocks: int, nbytes: int) -> Export:
+    def add(self, transfer_id: str, payload: Any, dtype: str, num_blocks: int) -> Export:
         """Hold a new export; an id already held is replaced (the router chose it again)."""
         with self._lock:
             self._expire_locked()
-            export = Export(transfer_id, payload, dtype, num_blocks, self._clock() + self.lease_seconds, nbytes)
+            export = Export(transfer_id, payload, dtype, num_blocks, self._clock() + self.lease_seconds)
             self._exports[transfer_id] = export
             return export
 

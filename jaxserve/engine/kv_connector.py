@@ -26,7 +26,7 @@ from jaxserve.core.kv_transfer import KVLoad, KVTransferParams
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 2**20       # gRPC's default 4 MB is below one chunk of a large model's blocks
+MAX_MESSAGE_BYTES = 64 * 2**20       # gRPC's default 4 MB: below a large model's KV chunk or a long prompt
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 

@@ -324,7 +324,7 @@ class LLMEngine:
                 n = len(ex.block_ids)
                 if n:
                     payload = self._canonical(replica.runner.gather_blocks(ex.block_ids))
-                    self.exports.add(ex.params.transfer_id, payload, self.config.dtype, n, payload.nbytes)
+                    self.exports.add(ex.params.transfer_id, payload, self.config.dtype, n)
                     self.kv_stats.record("exported", payload.nbytes)
                 exported[ex.request_id] = dataclasses.replace(
                     ex.params, num_full_blocks=n, block_hashes=ex.block_hashes, block_size=self.config.block_size,

@@ -67,15 +67,9 @@ def _uses_penalties(p: SamplingParams) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _no_tokens(num_seqs: int, length: int) -> np.ndarray:
-    a = np.full((num_seqs, length), -1, np.int32)
-    a.flags.writeable = False
-    return a
-
-
-@functools.lru_cache(maxsize=32)
-def _all_allowed(num_seqs: int, width: int) -> np.ndarray:
-    a = np.full((num_seqs, width), -1, np.int32)
+def _minus_ones(rows: int, cols: int) -> np.ndarray:
+    """A shared read-only [rows, cols] int32 array of -1: no tokens (padding), or as a bitmask every token allowed."""
+    a = np.full((rows, cols), -1, np.int32)
     a.flags.writeable = False
     return a
 
@@ -174,7 +168,7 @@ def prepare_inputs(
         output_ids = np.full((R, max_model_len), -1, np.int32)
         prompt_ids = np.full((R, max_model_len), -1, np.int32)
     else:   # the common case: one shared read-only array of padding, nothing to fill
-        output_ids = prompt_ids = _no_tokens(R, max_model_len)
+        output_ids = prompt_ids = _minus_ones(R, max_model_len)
     want_logprobs = False
 
     t = r = 0
@@ -223,7 +217,7 @@ def prepare_inputs(
             if st.req_id in grammars:
                 grammars[st.req_id].fill_bitmask(bitmask, row)
     else:   # the common case: one shared read-only array, never applied
-        bitmask = _all_allowed(R, width)
+        bitmask = _minus_ones(R, width)
 
     attn = AttentionMetadata(
         slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,

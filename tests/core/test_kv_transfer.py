@@ -23,7 +23,7 @@ class Clock:
 def test_an_export_lives_until_its_lease_runs_out_and_a_heartbeat_renews_it():
     clock, stats = Clock(), KVTransferStats()
     reg = ExportRegistry(10.0, clock=clock, stats=stats)
-    reg.add("a", b"x", "float32", 1, 1)
+    reg.add("a", b"x", "float32", 1)
     clock.now = 9.0
     assert reg.extend("a") == 10.0
     clock.now = 18.0
@@ -36,7 +36,7 @@ def test_an_export_lives_until_its_lease_runs_out_and_a_heartbeat_renews_it():
 def test_a_complete_pull_releases_the_export_and_a_broken_one_keeps_it():
     clock = Clock()
     reg = ExportRegistry(5.0, clock=clock)
-    reg.add("a", b"x", "float32", 1, 1)
+    reg.add("a", b"x", "float32", 1)
     export = reg.begin_pull("a")
     clock.now = 100.0
     assert len(reg) == 1, "an export is not expired under a running pull"
@@ -50,7 +50,7 @@ def test_a_complete_pull_releases_the_export_and_a_broken_one_keeps_it():
 def test_release_drops_an_export_once():
     stats = KVTransferStats()
     reg = ExportRegistry(5.0, stats=stats)
-    reg.add("a", b"x", "float32", 1, 1)
+    reg.add("a", b"x", "float32", 1)
     assert reg.release("a") and not reg.release("a")
     assert stats.snapshot()["outcomes"] == {"released": 1}
 
