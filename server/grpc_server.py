@@ -138,7 +138,6 @@ class _Choices:
         self.prompt_token_ids = prompt_token_ids
         self.top_logprobs = top_logprobs
         self.num_tokens = [0] * n
-        self.open = set(range(n))          # choices without a Complete yet
         self.num_cached_tokens = 0
 
     def responses(self, out: RequestOutput) -> list[pb.GenerateResponse]:
@@ -155,13 +154,8 @@ class _Choices:
                 messages.append(self.complete(c.index, c.finish_reason, c.stop_reason, out.kv_transfer_params))
         return messages
 
-    def aborted(self) -> list[pb.GenerateResponse]:
-        """A Complete("abort") for each choice still open (the Abort RPC ended the request)."""
-        return [self.complete(i, "abort") for i in sorted(self.open)]
-
     def complete(self, index: int, finish_reason: str, stop_reason: int | str | None = None,
                  kv: KVTransferParams | None = None) -> pb.GenerateResponse:
-        self.open.discard(index)
         msg = pb.Complete(index=index, finish_reason=finish_reason, prompt_tokens=len(self.prompt_token_ids),
                           completion_tokens=self.num_tokens[index], cached_tokens=self.num_cached_tokens,
                           prompt_token_ids=self.prompt_token_ids)
@@ -194,17 +188,6 @@ def status_of(e: BaseException, request_id: str | None = None, *,
     return grpc.StatusCode.INTERNAL, str(internal_error(e, request_id))
 
 
-async def _next_output(stream: RequestStream, abort: asyncio.Future) -> RequestOutput | None:
-    """The stream's next output; None once it has ended or `abort` is resolved (the Abort RPC)."""
-    step = asyncio.ensure_future(anext(stream, None))
-    try:
-        await asyncio.wait((step, abort), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not step.done():
-            step.cancel()
-    return step.result() if step.done() else None
-
-
 # ---- the service --------------------------------------------------------------------------
 
 
@@ -214,7 +197,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine = engine
         self.served_model_name = served_model_name or engine.model_name
         self.limits = limits or RequestLimits(max_logprobs=engine.engine.config.max_logprobs)
-        self._aborts: dict[str, asyncio.Future] = {}    # request id -> resolved by Abort, per Generate in flight
+        self._in_flight: set[str] = set()     # request ids of this server's Generate calls (what Abort finds)
 
     def _prepare(self, request: pb.GenerateRequest) -> tuple[dict, SamplingParams]:
         """(prompt, SamplingParams) through the /v1/completions checks; runs on a worker thread."""
@@ -240,27 +223,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             stream, prompt, params = await self._admit(request, request_id)
         except Exception as e:  # noqa: BLE001 - every failure leaves as a status code
             await context.abort(*status_of(e, request_id))    # raises: the call ends here
-        abort = asyncio.get_running_loop().create_future()
-        self._aborts[request_id] = abort
+        self._in_flight.add(request_id)
         choices = _Choices(params.n, prompt["prompt_token_ids"], params.logprobs)
         try:
-            while (out := await _next_output(stream, abort)) is not None:
+            async for out in stream:
                 for message in choices.responses(out):
                     await context.write(message)
-            for message in choices.aborted():
-                await context.write(message)
         except Exception as e:  # noqa: BLE001 - the engine died mid-stream, or a bug of ours
             await context.abort(*status_of(e, request_id, admitted=True))
         finally:   # a cancel or deadline lands here too (CancelledError): the request must not outlive the call
             stream.close()
-            if self._aborts.get(request_id) is abort:
-                del self._aborts[request_id]
+            self._in_flight.discard(request_id)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        abort = self._aborts.get(request.request_id)
-        if abort is not None and not abort.done():
-            abort.set_result(None)
-        return pb.AbortResponse(found=abort is not None)
+        found = request.request_id in self._in_flight
+        if found:   # its stream ends with each open choice's final "abort" output, sent as a Complete
+            self.engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         core = self.engine.engine

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import grpc
 
-from jaxserve.core import RequestOutputKind, SamplingParams
+from jaxserve.core import Logprobs, RequestOutputKind, SamplingParams
 from jaxserve.engine.async_engine import EngineDeadError, QueueFullError
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
 from jaxserve.proto import jaxserve_pb2 as pb
 
 
@@ -104,10 +104,8 @@ class OutputAssembler:
 
 
 def _logprobs_dict(lp: pb.TokenLogprobs) -> dict[int, float]:
-    """vLLM's per-token logprobs (jaxserve.outputs.logprobs_dict): the top-N and the sampled token."""
-    d = {t.token_id: t.logprob for t in lp.top}
-    d.setdefault(lp.token_id, lp.logprob)
-    return d
+    """vLLM's per-token logprobs of a Chunk's entry, as the engine's output processor builds them."""
+    return logprobs_dict(lp.token_id, Logprobs(lp.logprob, [t.token_id for t in lp.top], [t.logprob for t in lp.top]))
 
 
 class RouterStream:

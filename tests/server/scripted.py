@@ -76,14 +76,18 @@ class ScriptedEngine:
         return outputs
 
     def abort_request(self, request_ids):
+        """As LLMEngine's: ends the requests and returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
         for request_id in ids:
             if request_id in self.output_processor:
                 self.aborted.append(request_id)
             for core_id in self.output_processor.core_ids(request_id):
                 self._cores.pop(core_id, None)
-            self.output_processor.abort(request_id, time.monotonic())
-        return []
+            out = self.output_processor.abort(request_id, time.monotonic())
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     # What reads only the OutputProcessor is the real engine's own code.
     abort_all = LLMEngine.abort_all
