@@ -1,9 +1,10 @@
 """Native CPU kernels: built on first use, registered with XLA's FFI, called in the step.
 
 What flows through: `paged_context_native(...)` (decode attention, `native/paged_context.cc`,
-reads the K/V pages in place) and `matvec(...)` (one-row matmuls, `native/matvec.cc`) are
-traced inside the caller's jitted step and each becomes one XLA custom call. The shared library is compiled once per machine with the system C++ compiler
-(`c++ -O3 -march=native -fopenmp`, jaxlib's FFI headers) into the user's cache folder,
+reads the K/V pages in place), `matvec(...)` (one-row matmuls, `native/matvec.cc`) and
+`matmul(...)` (the projections of steps with 2+ rows, `native/gemm.cc`) are traced inside
+the caller's jitted step and each becomes one XLA custom call. The shared library is compiled once per machine with the system C++ compiler
+(`c++ -O3 -march=native -fopenmp-simd`, jaxlib's FFI headers) into the user's cache folder,
 keyed by the source, the compiler flags and the jaxlib version; `available()` does that
 on the caller's thread (the engine calls it at start-up) and says False, after one
 warning naming the reason, when there is no compiler or the build fails. The pure-jnp
@@ -35,11 +36,12 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc"))
-HEADERS = (Path(__file__).with_name("native") / "bits.h",)
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc", "gemm.cc"))
+HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h"))
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+GEMM_TARGET = "jaxserve_gemm"
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
 _BITS = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}
 
 
@@ -84,6 +86,7 @@ def build(path: Path | None = None) -> Path:
 
 
 _LOCK = threading.Lock()
+_GEMM_SUPPORTED = [False]   # set by _load: the library was built with AVX-512 BF16
 
 
 def available() -> bool:
@@ -102,11 +105,23 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedContext), platform="cpu")
         jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.JaxserveMatvec), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
+        _GEMM_SUPPORTED[0] = bool(lib.JaxserveGemmSupported())
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         logger.warning("native CPU kernels unavailable (%s); decodes and one-row matmuls use pure jnp", e)
         return False
     logger.info("native CPU kernels loaded from %s", path)
     return True
+
+
+def gemm_available() -> bool:
+    """True when `matmul` can run here: the kernels loaded and the CPU has AVX-512 BF16."""
+    return available() and _GEMM_SUPPORTED[0]
+
+
+def gemm_enabled() -> bool:
+    """False when JAXSERVE_NATIVE_GEMM=0: steps traced from then on keep XLA's dots (A/B benchmarks)."""
+    return os.environ.get("JAXSERVE_NATIVE_GEMM", "1") != "0"
 
 
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
@@ -141,3 +156,37 @@ def matvec(x, w, *, transposed: bool = False):
     n = w.shape[0] if transposed else w.shape[1]
     call = jax.ffi.ffi_call(MATVEC_TARGET, jax.ShapeDtypeStruct((n,), jnp.float32))
     return call(x.reshape(k).astype(jnp.float32), w, transposed=np.int64(transposed))
+
+
+def matmul(x, w):
+    """x [M, K] times w [K, N] -> [M, N] float32; x and w both float32 or both bfloat16.
+
+    Register-tiled on the CPU (`native/gemm.cc`); float32 sums in float32 FMAs, bfloat16 in
+    `vdpbf16ps` pairs. Differentiable (the backward pass is jnp dots), so a model's training
+    path may run through it. Call `gemm_available()` first.
+    """
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"matmul takes x [M, K] and w [K, N], got {list(x.shape)} and {list(w.shape)}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul takes float32 or bfloat16 operands of one dtype, got {x.dtype} and {w.dtype}")
+    return _matmul(x, w)
+
+
+@jax.custom_vjp
+def _matmul(x, w):
+    call = jax.ffi.ffi_call(GEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w)
+
+
+def _matmul_fwd(x, w):
+    return _matmul(x, w), (x, w)
+
+
+def _matmul_bwd(residuals, g):
+    x, w = residuals
+    dx = jnp.dot(g, w.T.astype(jnp.float32)).astype(x.dtype)
+    dw = jnp.dot(x.T.astype(jnp.float32), g).astype(w.dtype)
+    return dx, dw
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

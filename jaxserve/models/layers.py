@@ -39,7 +39,9 @@ class Proj(nnx.Einsum):
     an ordinary einsum. Params keep nnx.Einsum's names (`kernel`, `bias`).
 
     With `native_rows` (the "cpu" attention backend), a one-row input with bfloat16 weights (a
-    batch-1 decode step) runs through the native CPU matvec, which streams the weight in place.
+    batch-1 decode step) runs through the native CPU matvec, which streams the weight in place,
+    and 2+ rows through the native register-tiled matmul (`native_cpu.matmul`, 1.1-2x XLA's
+    rate at the model's shapes, most at decode-sized row counts; benchmarks/RESULTS.md).
     """
 
     def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *, dtype, param_dtype, rngs: nnx.Rngs,
@@ -57,6 +59,12 @@ class Proj(nnx.Einsum):
             y = native_cpu.matvec(x, kernel.reshape(x.size, -1)).reshape(1, *kernel.shape[x.ndim - 1:])
             if self.bias is not None:
                 y = y + self.bias[...].astype(jnp.float32)
+        elif self.native_rows and native_gemm_ok(x, kernel):
+            rows = x.shape[0]
+            y = native_cpu.matmul(x.reshape(rows, -1), kernel.reshape(x[0].size, -1))
+            y = y.reshape(rows, *kernel.shape[x.ndim - 1:])
+            if self.bias is not None:
+                y = y + self.bias[...].astype(jnp.float32)
         else:
             y = one_row_safe(super().__call__, x)
         return y.astype(self.dtype or x.dtype)
@@ -70,10 +78,21 @@ def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:
     """
     if x.shape[0] != 1 or weight.dtype != jnp.bfloat16:
         return False
+    return _unsharded() and native_cpu.available()
+
+
+def native_gemm_ok(x: jax.Array, weight: jax.Array) -> bool:
+    """True when x has 2+ rows of the weight's dtype (float32 or bfloat16) and `native_cpu.matmul`
+    can take them here (static checks: unsharded, the CPU has AVX-512 BF16)."""
+    if x.shape[0] < 2 or x.dtype != weight.dtype or weight.dtype not in (jnp.float32, jnp.bfloat16):
+        return False
+    return _unsharded() and native_cpu.gemm_enabled() and native_cpu.gemm_available()
+
+
+def _unsharded() -> bool:
+    """False inside a mesh with a sharded axis: the matmul (and its collectives) is left to XLA."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and any(size > 1 for size in mesh.shape.values()):
-        return False   # sharded weights: leave the matmul (and its collectives) to XLA
-    return native_cpu.available()
+    return mesh.empty or all(size == 1 for size in mesh.shape.values())
 
 
 def one_row_safe(matmul, x: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@
 // An XLA FFI custom call built with paged_context.cc (kernels_pallas/native_cpu.py). XLA:CPU
 // runs a one-row float32 dot at ~22 GB/s on the 2-core machine and a one-row bfloat16 dot by
 // converting the whole weight to float32 first; this reads each weight once, split over the
-// OpenMP threads, in its stored type.
+// intra-op threads (parallel.h), in its stored type.
 //
 // Inputs: x [K] float32; w [K, N] (transposed = 0: y[n] = sum_k x[k] w[k, n]) or [N, K]
 // (transposed = 1: y[n] = sum_k w[n, k] x[k], the lm head's layout), float32 or bfloat16.
@@ -13,9 +13,8 @@
 #include <cstdint>
 #include <vector>
 
-#include <omp.h>
-
 #include "bits.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -28,13 +27,11 @@ inline float load(const uint16_t* p, int64_t i) { return jaxserve_native::bf16_t
 // w [K, N]: each thread takes a contiguous run of rows (one stream through memory) into its
 // own partial sums, which are added at the end.
 template <typename T>
-void rows_times(const float* x, const T* w, float* y, int64_t K, int64_t N) {
-  const int threads = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>(K / 64)));
+void rows_times(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), K / 64));
   std::vector<float> partial(static_cast<size_t>(threads) * N, 0.0f);
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
-    const int64_t k0 = K * t / n_threads, k1 = K * (t + 1) / n_threads;
+  jaxserve_native::parallel_for(pool, threads, threads, [&](int64_t t) {
+    const int64_t k0 = K * t / threads, k1 = K * (t + 1) / threads;
     float* acc = partial.data() + static_cast<int64_t>(t) * N;
     int64_t k = k0;
     for (; k + 4 <= k1; k += 4) {  // four rows per pass: the partial sums are loaded and stored 4x less
@@ -50,7 +47,7 @@ void rows_times(const float* x, const T* w, float* y, int64_t K, int64_t N) {
 #pragma omp simd
       for (int64_t n = 0; n < N; ++n) acc[n] += xk * load(row, n);
     }
-  }
+  });
   std::copy(partial.begin(), partial.begin() + N, y);
   for (int t = 1; t < threads; ++t)
     for (int64_t n = 0; n < N; ++n) y[n] += partial[static_cast<size_t>(t) * N + n];
@@ -58,18 +55,20 @@ void rows_times(const float* x, const T* w, float* y, int64_t K, int64_t N) {
 
 // w [N, K]: one dot product per output, outputs split over the threads.
 template <typename T>
-void dots(const float* x, const T* w, float* y, int64_t K, int64_t N) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const T* row = w + n * K;
-    float sum = 0.0f;
+void dots(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), chunks = std::min<int64_t>(N, 4 * threads);
+  jaxserve_native::parallel_for(pool, chunks, threads, [&](int64_t c) {
+    for (int64_t n = N * c / chunks; n < N * (c + 1) / chunks; ++n) {
+      const T* row = w + n * K;
+      float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t k = 0; k < K; ++k) sum += load(row, k) * x[k];
-    y[n] = sum;
-  }
+      for (int64_t k = 0; k < K; ++k) sum += load(row, k) * x[k];
+      y[n] = sum;
+    }
+  });
 }
 
-ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
+ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
   const auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2");
   const int64_t K = transposed ? wd[1] : wd[0], N = transposed ? wd[0] : wd[1];
@@ -79,10 +78,10 @@ ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuff
   float* yp = y->typed_data();
   if (w.element_type() == ffi::DataType::F32) {
     const float* wp = static_cast<const float*>(w.untyped_data());
-    transposed ? dots(xp, wp, yp, K, N) : rows_times(xp, wp, yp, K, N);
+    transposed ? dots(pool, xp, wp, yp, K, N) : rows_times(pool, xp, wp, yp, K, N);
   } else if (w.element_type() == ffi::DataType::BF16) {
     const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
-    transposed ? dots(xp, wp, yp, K, N) : rows_times(xp, wp, yp, K, N);
+    transposed ? dots(pool, xp, wp, yp, K, N) : rows_times(pool, xp, wp, yp, K, N);
   } else {
     return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
   }
@@ -93,6 +92,7 @@ ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatvec, MatvecImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::AnyBuffer>()          // w
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y

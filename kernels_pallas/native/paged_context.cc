@@ -3,7 +3,8 @@
 // An XLA FFI custom call (jax.ffi), built on first use by kernels_pallas/native_cpu.py and
 // called from inside the engine's jitted step. It reads K/V pages where they lie in the
 // pool: no gathered copy, one pass over each sequence's pages, with an online softmax
-// per page. Work is split over (sequence, KV head) pairs with OpenMP.
+// per page. Work is split over (sequence group, KV head) items on XLA's intra-op threads
+// (parallel.h).
 //
 // Inputs: q [T, QH, D] float32, already scaled by sm_scale; kv [2, KVH, NB, BS, D] float32,
 // or uint16 holding bfloat16 (bits_dtype 1) or float16 (bits_dtype 2) bits; block_tables
@@ -16,14 +17,18 @@
 // log-sum-exp; rows of other sequences are 0 and -inf. It computes what the reference
 // computes for those rows; the tests check it against a float64 oracle.
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "bits.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -80,10 +85,18 @@ inline float fast_exp(float x) {
 inline const float* page_rows(const void* kv, int64_t bits_dtype, int64_t page, int64_t page_elems, float* buf) {
   if (bits_dtype == 0) return static_cast<const float*>(kv) + page * page_elems;
   const uint16_t* src = static_cast<const uint16_t*>(kv) + page * page_elems;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= page_elems; i += 16) {   // exact conversions, 16 at a time
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(buf + i, bits_dtype == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                              : _mm512_cvtph_ps(h));
+  }
+#endif
   if (bits_dtype == 1) {
-    for (int64_t i = 0; i < page_elems; ++i) buf[i] = bf16_to_f32(src[i]);
+    for (; i < page_elems; ++i) buf[i] = bf16_to_f32(src[i]);
   } else {
-    for (int64_t i = 0; i < page_elems; ++i) buf[i] = f16_to_f32(src[i]);
+    for (; i < page_elems; ++i) buf[i] = f16_to_f32(src[i]);
   }
   return buf;
 }
@@ -102,11 +115,15 @@ struct Problem {
 
 constexpr int64_t kSeqGroup = 8;  // sequences walked page by page together (see `attend`)
 
-struct Scratch {  // per thread
+struct Scratch {  // per thread, kept between calls
   std::vector<float> kbuf, vbuf, m, l, acc, scores;
   Scratch(const Problem& pr, int64_t max_rows)
-      : kbuf(pr.bits_dtype ? pr.BS * pr.D : 0), vbuf(pr.bits_dtype ? pr.BS * pr.D : 0),
-        m(kSeqGroup * max_rows), l(kSeqGroup * max_rows), acc(kSeqGroup * max_rows * pr.D), scores(pr.BS) {}
+      : kbuf(pr.BS * pr.D), vbuf(pr.BS * pr.D), m(kSeqGroup * max_rows), l(kSeqGroup * max_rows),
+        acc(kSeqGroup * max_rows * pr.D), scores(pr.BS) {}
+  bool fits(const Problem& pr, int64_t max_rows) const {
+    return kbuf.size() >= static_cast<size_t>(pr.BS * pr.D) && m.size() >= static_cast<size_t>(kSeqGroup * max_rows) &&
+           acc.size() >= static_cast<size_t>(kSeqGroup * max_rows * pr.D) && scores.size() >= static_cast<size_t>(pr.BS);
+  }
 };
 
 struct Run {  // one sequence's query rows in a group
@@ -184,6 +201,109 @@ void fold_page(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t
   }
 }
 
+#ifdef __AVX512F__
+// fast_exp of 16 lanes (the same polynomial; 2^n applied by scalef).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out[t] = sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree (45 shuffles and
+// adds instead of 16 horizontal reductions).
+inline __m512 sum_lanes16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  #pragma GCC unroll 16
+  for (int i = 0; i < 8; ++i)   // 128-bit lane j of a[i]: (v[2i], v[2i+1]) partial sums, interleaved
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  #pragma GCC unroll 16
+  for (int i = 0; i < 4; ++i) {  // lane j of b[i]: v[4i..4i+3], one partial sum each
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < 2; ++i)    // fold the four 128-bit lanes pairwise
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// fold_page for 16-key pages and a head dim of kD (a multiple of 16) without soft-capping: the
+// 16 scores of a row come out in one vector, masked, exponentiated and summed 16 at a time, and
+// the row's output accumulates in registers.
+template <int64_t kD>
+void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t p) {
+  constexpr int64_t BS = 16, D = kD;
+  constexpr int NV = static_cast<int>(kD / 16);
+  const int64_t G = pr.G, QH = pr.QH, s = run.s;
+  const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
+  const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
+  const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
+  if (p + 1 < run.last_page) {   // the next page's K and V (scattered 4 KB runs the prefetcher misses)
+    const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
+    const int64_t elem = pr.bits_dtype ? 2 : 4, bytes = BS * D * elem;
+    const char* nk = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * bytes;
+    const char* nv = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) {
+      _mm_prefetch(nk + line, _MM_HINT_T0);
+      _mm_prefetch(nv + line, _MM_HINT_T0);
+    }
+  }
+  const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, run.limit - key0);
+  const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(key0)),
+                                        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  const __mmask16 in_page = nkeys >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nkeys) - 1);
+  alignas(64) float weights[BS];
+  for (int64_t r = 0; r < run.rows; ++r) {
+    const int64_t j = r / G, g = r % G, q_pos = run.pos0 + j;
+    __mmask16 valid = in_page & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos)));
+    if (pr.sliding_window > 0)
+      valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos - pr.sliding_window)));
+    if (!valid) continue;  // no visible key in this page for this row
+    const float* qrow = pr.q + ((run.start + j) * QH + h * G + g) * D;
+    __m512 qv[NV], partial[BS];
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qrow + 16 * v);
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < BS; ++t) {
+      __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
+      #pragma GCC unroll 16
+      for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
+      partial[t] = d;
+    }
+    const __m512 scores = sum_lanes16(partial);
+    const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
+    const float m_old = run.m[r], m_new = std::max(m_old, page_max);
+    const float alpha = m_old == kMasked ? 0.0f : fast_exp(m_old - m_new);
+    const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+    _mm512_store_ps(weights, e);
+    float* a = run.acc + r * D;
+    __m512 acc[NV];
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(alpha));
+    for (int64_t t = 0; t < nkeys; ++t) {
+      const __m512 et = _mm512_set1_ps(weights[t]);
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(et, _mm512_loadu_ps(vpage + t * D + 16 * v), acc[v]);
+    }
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, acc[v]);
+    run.l[r] = run.l[r] * alpha + _mm512_reduce_add_ps(e);
+    run.m[r] = m_new;
+  }
+}
+#endif
+
 // Rows of up to kSeqGroup sequences over KV head h, walked page index by page index: when
 // sequences share a prefix, their shared pages are read from memory once and from cache by
 // the others (cascade attention without a separate pass). kBS / kD are the page size and
@@ -212,7 +332,17 @@ void attend(const Problem& pr, Scratch& w, const int64_t* seqs, int64_t count, i
   }
   for (int64_t p = lo; p < hi; ++p)
     for (int64_t i = 0; i < n; ++i)
-      if (p >= runs[i].first_page && p < runs[i].last_page) fold_page<kBS, kD>(pr, w, runs[i], h, p);
+      if (p >= runs[i].first_page && p < runs[i].last_page) {
+#ifdef __AVX512F__
+        if constexpr (kBS == 16 && kD > 0 && kD % 16 == 0) {
+          if (pr.soft_cap <= 0.0f) {
+            fold_page16<kD>(pr, w, runs[i], h, p);
+            continue;
+          }
+        }
+#endif
+        fold_page<kBS, kD>(pr, w, runs[i], h, p);
+      }
   for (int64_t i = 0; i < n; ++i) {
     const Run& r = runs[i];
     for (int64_t k = 0; k < r.rows; ++k) {
@@ -226,7 +356,7 @@ void attend(const Problem& pr, Scratch& w, const int64_t* seqs, int64_t count, i
   }
 }
 
-ffi::Error PagedContextImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> block_tables,
+ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
@@ -257,17 +387,14 @@ ffi::Error PagedContextImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buf
   }
   const int64_t groups = (static_cast<int64_t>(eligible.size()) + kSeqGroup - 1) / kSeqGroup;
   const int64_t max_rows = max_q_len * pr.G;
-#pragma omp parallel
-  {
-    Scratch w(pr, max_rows);
-#pragma omp for schedule(dynamic)
-    for (int64_t work = 0; work < groups * pr.KVH; ++work) {
-      const int64_t g = work / pr.KVH, h = work % pr.KVH;
-      const int64_t first = g * kSeqGroup;
-      const int64_t count = std::min<int64_t>(kSeqGroup, static_cast<int64_t>(eligible.size()) - first);
-      fn(pr, w, eligible.data() + first, count, h, max_rows);
-    }
-  }
+  jaxserve_native::parallel_for(pool, groups * pr.KVH, std::max<int64_t>(1, pool.num_threads()), [&](int64_t work) {
+    thread_local std::unique_ptr<Scratch> scratch;
+    if (!scratch || !scratch->fits(pr, max_rows)) scratch = std::make_unique<Scratch>(pr, max_rows);
+    const int64_t g = work / pr.KVH, h = work % pr.KVH;
+    const int64_t first = g * kSeqGroup;
+    const int64_t count = std::min<int64_t>(kSeqGroup, static_cast<int64_t>(eligible.size()) - first);
+    fn(pr, *scratch, eligible.data() + first, count, h, max_rows);
+  });
   return ffi::Error::Success();
 }
 
@@ -275,6 +402,7 @@ ffi::Error PagedContextImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buf
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // kv
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables

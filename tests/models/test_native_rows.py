@@ -1,5 +1,6 @@
-"""One-row bf16 projections through the native CPU matvec equal the XLA einsum (the `cpu` backend's
-batch-1 path); float32 weights stay with XLA's one-row dot, which measured faster in the step."""
+"""The `cpu` backend's native projections equal XLA's einsum: one-row bf16 projections through the
+native matvec (the batch-1 path; float32 weights stay with XLA's one-row dot, which measured
+faster in the step), and 2+ rows of float32 or bf16 through the native matmul."""
 
 from __future__ import annotations
 
@@ -57,3 +58,73 @@ def test_matvec_against_numpy(dtype, transposed):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="x has 74 elements"):
         native_cpu.matvec(x[:-1], w, transposed=transposed)
+
+
+# ---- the native matmul of 2+ rows (native/gemm.cc) --------------------------------------------
+
+needs_gemm = pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
+
+
+@needs_gemm
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,k,n", [
+    (2, 1, 1), (7, 33, 100), (13, 576, 192), (64, 576, 1536), (9, 577, 65), (6, 2051, 49), (64, 64, 48),
+], ids=lambda v: str(v))
+def test_matmul_against_numpy(m, k, n, dtype):
+    """Every tail: rows past the last full tile, columns past the last full panel, odd K (bf16
+    pairs), K over one 1,024-row block (partial sums added across blocks)."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    got = jax.jit(native_cpu.matmul)(x, w)
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    # float32 sums of exact products (bf16 x bf16 is exact in float32): rounding error only
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+@needs_gemm
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("einsum_str", list(SHAPES))
+def test_rows_native_equal_einsum(einsum_str, dtype, monkeypatch):
+    """Projections of 2+ rows run through the native matmul and equal XLA's einsum; the switch
+    JAXSERVE_NATIVE_GEMM=0 keeps XLA's dot."""
+    kernel_shape, bias_shape = SHAPES[einsum_str]
+    native = Proj(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0),
+                  native_rows=True)
+    plain = Proj(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    native.bias[...] = plain.bias[...] = jnp.asarray(np.random.default_rng(1).standard_normal(bias_shape), dtype)
+    in_shape = (5, *kernel_shape[:len(einsum_str.split(",")[0]) - 1])
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(in_shape), dtype)
+    got = jax.jit(lambda x: native(x))(x)
+    want = jax.jit(lambda x: plain(x))(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2   # bf16: both round a float32 sum (1 ulp apart at most)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    assert "jaxserve_gemm" in jax.jit(lambda x: native(x)).lower(x).as_text()
+    monkeypatch.setenv("JAXSERVE_NATIVE_GEMM", "0")
+    assert "jaxserve_gemm" not in jax.jit(lambda x: native(x)).lower(x).as_text()
+
+
+@needs_gemm
+def test_matmul_gradients_equal_jnp():
+    """The training path may run through the native matmul: its VJP is jnp's."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((6, 40)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 24)), jnp.float32)
+    loss = lambda mm: (lambda x, w: jnp.sum(jnp.tanh(mm(x, w))))
+    got = jax.grad(loss(native_cpu.matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: jnp.dot(x, w, precision="highest")), argnums=(0, 1))(x, w)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtypes,match", [
+    ((3, 4), (5, 6), (jnp.float32, jnp.float32), r"x \[M, K\] and w \[K, N\]"),
+    ((3,), (3, 6), (jnp.float32, jnp.float32), r"x \[M, K\] and w \[K, N\]"),
+    ((3, 4), (4, 6), (jnp.float32, jnp.bfloat16), "one dtype"),
+    ((3, 4), (4, 6), (jnp.float16, jnp.float16), "float32 or bfloat16"),
+])
+def test_matmul_refuses_bad_operands(x_shape, w_shape, dtypes, match):
+    with pytest.raises(ValueError, match=match):
+        native_cpu.matmul(jnp.zeros(x_shape, dtypes[0]), jnp.zeros(w_shape, dtypes[1]))

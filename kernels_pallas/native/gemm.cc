@@ -1,0 +1,318 @@
+// Matmuls of a step's rows for CPUs with AVX-512: y = x W, float32 or bfloat16 operands.
+//
+// An XLA FFI custom call built with paged_context.cc (kernels_pallas/native_cpu.py). XLA:CPU
+// runs the projections of a decode step (tens of rows) at 50-70% of what this CPU's FMA
+// units give (benchmarks/RESULTS.md); a register-tiled kernel that reads the weight where
+// it lies gets ~90% at any row count.
+//
+// Inputs: x [M, K] and w [K, N], both float32 or both bfloat16 (raw 16-bit words).
+// Output: y [M, N] float32 (the caller rounds it to its dtype, as XLA's dot with a float32
+// result does).
+//
+// Work: the columns are cut into panels of NR and the rows into tiles of MR; each tile keeps
+// MR x NR sums in registers while it walks K. float32: the panel is read in place, a
+// broadcast x[m, k] times NR weights per FMA. bfloat16: the panel is first interleaved
+// k-pair-wise ([K/2][NR][2], thread-local, zero-padded at the edges) so one `vdpbf16ps`
+// multiplies 16 weight pairs by a broadcast pair of x and adds both products into 16 sums.
+// K is walked in blocks of KC so a panel stays in L2. Threads split the (panel, row part)
+// items on XLA's intra-op threads (parallel.h); a weight panel is read from memory once per
+// row part.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+extern "C" int JaxserveGemmSupported() { return 1; }
+
+namespace {
+
+constexpr int64_t KC = 1024;  // K per block: a panel (KC x 64 bf16 or KC x 48 f32) stays in L2
+constexpr int64_t kPrefetchRows = 12;  // how far ahead (in weight rows) a panel's first pass prefetches
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// ---- float32: MR rows x NV vectors of 16 columns, the last vector masked to `last` -----------
+
+template <int MR, int NV>
+void tile_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+              __mmask16 last, bool accumulate, bool prefetch, const float* next) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* row = b + k * ldb;
+    if (prefetch) {   // the panel's first tile pulls it from memory: strided rows the prefetcher misses
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * ldb + 16 * j), _MM_HINT_T0);
+    }
+    if (next != nullptr) {   // and the panel this thread takes next, into L2
+      for (int j = 0; j < 3; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + k * ldb + 16 * j), _MM_HINT_T1);
+    }
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      bv[j] = j == NV - 1 ? _mm512_maskz_loadu_ps(last, row + 16 * j) : _mm512_loadu_ps(row + 16 * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      float* out = c + i * ldc + 16 * j;
+      const __mmask16 m = j == NV - 1 ? last : __mmask16(0xFFFF);
+      __m512 v = acc[i][j];
+      if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
+      _mm512_mask_storeu_ps(out, m, v);
+    }
+}
+
+constexpr int MR_F32 = 8, NR_F32 = 48;
+
+template <int MR>
+void rows_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+              int64_t width, bool accumulate, bool prefetch, const float* next) {
+  const int nv = static_cast<int>((width + 15) / 16);
+  const __mmask16 last = tail_mask(width - 16 * (nv - 1));
+  switch (nv) {
+    case 1: tile_f32<MR, 1>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next); break;
+    case 2: tile_f32<MR, 2>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next); break;
+    default: tile_f32<MR, 3>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next); break;
+  }
+}
+
+// Rows [m0, m1) of the panel at column n0 (width <= NR_F32), every K block; `next_n0` as in
+// panel_bf16.
+void panel_f32(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
+               int64_t n0, int64_t width, int64_t next_n0) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const bool acc = k0 > 0;
+    const float* b = w + k0 * N + n0;
+    const float* next = next_n0 >= 0 && next_n0 + NR_F32 <= N ? w + k0 * N + next_n0 : nullptr;
+    int64_t m = m0;
+    for (; m + MR_F32 <= m1; m += MR_F32, next = nullptr)
+      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, N, y + m * N + n0, N, width, acc, m == m0, next);
+    const float* a = x + m * K + k0;
+    float* c = y + m * N + n0;
+    const bool first = m == m0;
+    switch (m1 - m) {
+      case 1: rows_f32<1>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 2: rows_f32<2>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 3: rows_f32<3>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 4: rows_f32<4>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 5: rows_f32<5>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 6: rows_f32<6>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 7: rows_f32<7>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      default: break;
+    }
+  }
+}
+
+// ---- bfloat16: MR rows x 4 vectors (64 columns) over a k-pair-interleaved panel -------------
+
+constexpr int MR_BF16 = 6, NR_BF16 = 64;
+
+// Panel rows [k0, k0 + kc) and columns [n0, n0 + width) of w [K, N] into
+// packed[p][n][2] = (w[k0 + 2p, n0 + n], w[k0 + 2p + 1, n0 + n]), zeros past the edges.
+void pack_bf16(const uint16_t* w, int64_t K, int64_t N, int64_t k0, int64_t kc, int64_t n0, int64_t width,
+               uint16_t* packed) {
+  const int64_t pairs = (kc + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t k = k0 + 2 * p;
+    const uint16_t* r0 = w + k * N + n0;
+    const uint16_t* r1 = k + 1 < k0 + kc ? r0 + N : nullptr;
+    uint16_t* out = packed + p * 2 * NR_BF16;
+    if (k + kPrefetchRows + 1 < K) {   // strided weight rows: the hardware prefetcher misses them
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchRows * N), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchRows * N + 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + (kPrefetchRows + 1) * N), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + (kPrefetchRows + 1) * N + 32), _MM_HINT_T0);
+    }
+    if (width == NR_BF16 && r1 != nullptr) {
+      for (int h = 0; h < 2; ++h) {   // 32 columns at a time
+        const __m512i x0 = _mm512_loadu_si512(r0 + 32 * h), x1 = _mm512_loadu_si512(r1 + 32 * h);
+        // unpack interleaves within 128-bit lanes; the permutes put the column pairs back in order
+        const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+        _mm512_storeu_si512(out + 64 * h, _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi));
+        _mm512_storeu_si512(out + 64 * h + 32,
+                            _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi));
+      }
+    } else {
+      for (int64_t n = 0; n < NR_BF16; ++n) {
+        out[2 * n] = n < width ? r0[n] : 0;
+        out[2 * n + 1] = n < width && r1 != nullptr ? r1[n] : 0;
+      }
+    }
+  }
+}
+
+template <int MR>
+void tile_bf16(int64_t kc, const uint16_t* a, int64_t lda, const uint16_t* packed, float* c, int64_t ldc,
+               int64_t width, bool accumulate, const uint16_t* next = nullptr, int64_t ldw = 0) {
+  __m512 acc[MR][4];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t full = kc / 2;
+  for (int64_t p = 0; p < full; ++p) {
+    if (next != nullptr) {   // the weight rows of the panel this thread packs next, while this one computes
+      const uint16_t* r = next + 2 * p * ldw;
+      _mm_prefetch(reinterpret_cast<const char*>(r), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(r + 32), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(r + ldw), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(r + ldw + 32), _MM_HINT_T1);
+    }
+    const uint16_t* bp = packed + p * 2 * NR_BF16;
+    __m512bh bv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(bp + 32 * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * p, sizeof pair);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, bv[j]);
+    }
+  }
+  if (kc % 2) {   // odd K: the last pair is (x[k], 0) against (w[k, n], 0)
+    const uint16_t* bp = packed + full * 2 * NR_BF16;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(a[i * lda + 2 * full]));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, (__m512bh)_mm512_loadu_si512(bp + 32 * j));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int64_t cols = std::min<int64_t>(16, width - 16 * j);
+      if (cols <= 0) continue;
+      float* out = c + i * ldc + 16 * j;
+      const __mmask16 m = tail_mask(cols);
+      __m512 v = acc[i][j];
+      if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, out), v);
+      _mm512_mask_storeu_ps(out, m, v);
+    }
+}
+
+// `next_n0`: the column of the panel this thread will likely take next (< 0: none), prefetched
+// during the first tile.
+void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
+                int64_t n0, int64_t width, uint16_t* packed, int64_t next_n0) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const bool acc = k0 > 0;
+    pack_bf16(w, K, N, k0, kc, n0, width, packed);
+    const uint16_t* next = next_n0 >= 0 && next_n0 + NR_BF16 <= N ? w + k0 * N + next_n0 : nullptr;
+    int64_t m = m0;
+    for (; m + MR_BF16 <= m1; m += MR_BF16, next = nullptr)
+      tile_bf16<MR_BF16>(kc, x + m * K + k0, K, packed, y + m * N + n0, N, width, acc, next, N);
+    const uint16_t* a = x + m * K + k0;
+    float* c = y + m * N + n0;
+    switch (m1 - m) {
+      case 1: tile_bf16<1>(kc, a, K, packed, c, N, width, acc); break;
+      case 2: tile_bf16<2>(kc, a, K, packed, c, N, width, acc); break;
+      case 3: tile_bf16<3>(kc, a, K, packed, c, N, width, acc); break;
+      case 4: tile_bf16<4>(kc, a, K, packed, c, N, width, acc); break;
+      case 5: tile_bf16<5>(kc, a, K, packed, c, N, width, acc); break;
+      default: break;
+    }
+  }
+}
+
+// ---- work split ---------------------------------------------------------------------------
+
+// Items are (panel, row part); rows are split (in whole tiles) only as far as needed to give
+// every thread the same number of items.
+// run(n0, width, m0, m1, next_n0): next_n0 is the panel the same thread likely runs next (items
+// are handed out in order, so about `threads` items later), or -1.
+template <typename F>
+void for_items(ffi::ThreadPool& pool, int64_t M, int64_t N, int64_t nr, int64_t mr, F&& run) {
+  const int64_t panels = (N + nr - 1) / nr, tiles = (M + mr - 1) / mr;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t parts = 1;
+  while (parts < tiles && (panels * parts) % threads != 0) ++parts;
+  const int64_t items = panels * parts;
+  jaxserve_native::parallel_for(pool, items, threads, [&](int64_t item) {
+    const int64_t panel = item / parts, part = item % parts;
+    const int64_t m0 = std::min(M, tiles * part / parts * mr), m1 = std::min(M, tiles * (part + 1) / parts * mr);
+    const int64_t next = item + threads < items ? (item + threads) / parts * nr : -1;
+    if (m0 < m1) run(panel * nr, std::min(nr, N - panel * nr), m0, m1, next == panel * nr ? -1 : next);
+  });
+}
+
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("gemm takes x [M, K] and w [K, N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (y->element_count() != static_cast<size_t>(M * N)) return ffi::Error::InvalidArgument("y must be [M, N]");
+  float* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  if (x.element_type() != w.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
+  if (x.element_type() == ffi::DataType::F32) {
+    const float* xp = static_cast<const float*>(x.untyped_data());
+    const float* wp = static_cast<const float*>(w.untyped_data());
+    for_items(pool, M, N, NR_F32, MR_F32, [&](int64_t n0, int64_t width, int64_t m0, int64_t m1, int64_t next) {
+      panel_f32(xp, wp, yp, m0, m1, K, N, n0, width, next);
+    });
+  } else if (x.element_type() == ffi::DataType::BF16) {
+    const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
+    const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
+    for_items(pool, M, N, NR_BF16, MR_BF16, [&](int64_t n0, int64_t width, int64_t m0, int64_t m1, int64_t next) {
+      thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_BF16]);
+      panel_bf16(xp, wp, yp, m0, m1, K, N, n0, width, packed.get(), next);
+    });
+  } else {
+    return ffi::Error::InvalidArgument("gemm takes float32 or bfloat16 operands");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#else  // no AVX-512 BF16 on the build machine: the handler exists, and says it cannot run
+
+extern "C" int JaxserveGemmSupported() { return 0; }
+
+namespace {
+ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
+}
+}  // namespace
+
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // w [K, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
