@@ -124,9 +124,16 @@ def gemm_enabled() -> bool:
     return os.environ.get("JAXSERVE_NATIVE_GEMM", "1") != "0"
 
 
+def prefill_enabled() -> bool:
+    """False when JAXSERVE_NATIVE_PREFILL=0: the `cpu` attention traced from then on sends only
+    decodes to the native kernel and longer runs to the jnp tiles (A/B benchmarks)."""
+    return os.environ.get("JAXSERVE_NATIVE_PREFILL", "1") != "0"
+
+
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                          bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None):
-    """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys included).
+    """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
+    included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
     `qs` [T, QH, D] float32 queries already scaled by sm_scale; `kv_cache` float32, or uint16
     holding `bits_dtype` bits. Returns (out [T, QH, D], lse [T, QH]) float32; rows of other

@@ -3,9 +3,10 @@
 What flows through: the reference's inputs plus this step's keys and values `k`, `v`
 [T, num_kv_heads, head_dim] (the rows `write_kv_cache` has just stored). Runs inside
 the caller's jitted step. Each sequence takes one of two routes:
-- short runs (decodes, at most `decode_query_len` queries): the native kernel
-  (`native_cpu`, an XLA FFI call) reads their whole context from the pool where it lies,
-  walking groups of sequences page by page so shared prefix pages are read once;
+- runs of at most `decode_query_len` queries (by default every run, when the native kernel
+  builds here): the native kernel (`native_cpu`, an XLA FFI call) reads their whole context
+  from the pool where it lies (this step's keys included), walking groups of short runs page
+  by page so shared prefix pages are read once, and longer runs in blocks of 16 queries;
 - longer runs (prefills, chunks, prefix-hit suffixes) attend two disjoint key sets, merged by
   log-sum-exp: keys computed in this step, read straight from `k`/`v` in dense tiles of
   `q_block` rows (a segment mask keeps sequences apart; no page gather), and keys cached
@@ -48,7 +49,7 @@ def ragged_paged_attention_cpu(
     q_block: int = 128,
     query_tile: int = 64,
     kv_pages_per_chunk: int = 8,
-    decode_query_len: int = 1,
+    decode_query_len: int | None = None,
     decode_seq_tile: int = 8,
     native: bool | None = None,
 ) -> jax.Array:
@@ -59,12 +60,15 @@ def ragged_paged_attention_cpu(
     suffixes of 48 after 1,024 cached tokens); `native`: sequences with at
     most `decode_query_len` queries read their earlier context through the native kernel
     (`native_cpu`; None: when it builds here, False: pure jnp); the others are the paged
-    part's, as in the reference.
+    part's, as in the reference. `decode_query_len` None: every run when native (1 with
+    JAXSERVE_NATIVE_PREFILL=0, the A/B switch), else the reference's 1.
     """
     if native is None:
         native = native_cpu.available()
     elif native and not native_cpu.available():
         raise ValueError("native=True, but the native CPU attention kernel is unavailable (see the log)")
+    if decode_query_len is None:
+        decode_query_len = q.shape[0] if native and native_cpu.prefill_enabled() else 1
     return _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
                                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                        q_block=q_block, query_tile=query_tile,
@@ -103,6 +107,12 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
     earlier = context_lens - q_lens
     in_step = q_lens > 0
     parts = []
+    if native and decode_query_len >= num_tokens:   # static: the native kernel takes every run
+        out, _ = native_cpu.paged_context_native(
+            qs[:num_tokens].reshape(num_tokens, num_q_heads, head_dim), kv_cache, block_tables, context_lens,
+            query_start_loc, num_seqs, bits_dtype=q.dtype, max_q_len=num_tokens,
+            sliding_window=sliding_window, soft_cap=soft_cap)
+        return out.astype(q.dtype)
     if native and decode_query_len > 0:
         # Short runs (decodes) read their whole context natively (the pool holds this step's
         # keys too); the in-step tiles and the jnp paged tiles take only the longer runs.

@@ -1,10 +1,11 @@
-// Paged attention of short query runs (decodes) over their whole cached context, for CPUs.
+// Paged attention of a step's query runs (decodes, prefill chunks) over their whole context, for CPUs.
 //
 // An XLA FFI custom call (jax.ffi), built on first use by kernels_pallas/native_cpu.py and
 // called from inside the engine's jitted step. It reads K/V pages where they lie in the
-// pool: no gathered copy, one pass over each sequence's pages, with an online softmax
-// per page. Work is split over (sequence group, KV head) items on XLA's intra-op threads
-// (parallel.h).
+// pool (which already holds this step's keys): no gathered copy, one pass over each run's
+// pages, with an online softmax per page. Work items, on XLA's intra-op threads
+// (parallel.h), are (item, KV head): a block of 16 queries of a longer run, or a group of
+// up to 8 short runs walked page by page together (shared prefix pages read once).
 //
 // Inputs: q [T, QH, D] float32, already scaled by sm_scale; kv [2, KVH, NB, BS, D] float32,
 // or uint16 holding bfloat16 (bits_dtype 1) or float16 (bits_dtype 2) bits; block_tables
@@ -113,7 +114,12 @@ struct Problem {
   float soft_cap;
 };
 
-constexpr int64_t kSeqGroup = 8;  // sequences walked page by page together (see `attend`)
+constexpr int64_t kSeqGroup = 8;     // short runs walked page by page together (see `attend`)
+constexpr int64_t kQueryBlock = 16;  // longer runs are cut into blocks of this many queries, one item each
+
+struct Segment {  // queries j0 .. j0 + nq - 1 of sequence s's run in this step
+  int64_t s, j0, nq;
+};
 
 struct Scratch {  // per thread, kept between calls
   std::vector<float> kbuf, vbuf, m, l, acc, scores;
@@ -309,18 +315,21 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
 // the others (cascade attention without a separate pass). kBS / kD are the page size and
 // head dim when known at compile time (the common shapes), else 0 (read from `pr`).
 template <int64_t kBS, int64_t kD>
-void attend(const Problem& pr, Scratch& w, const int64_t* seqs, int64_t count, int64_t h, int64_t max_rows) {
+void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, int64_t h, int64_t max_rows) {
   const int64_t BS = kBS ? kBS : pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
   Run runs[kSeqGroup];
   int64_t n = 0, lo = INT64_MAX, hi = 0;
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t s = seqs[i], start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
-    const int64_t limit = pr.ctx_lens[s], pos0 = limit - q_len;  // keys in the pool (this step's included)
-    if (pos0 < 0) continue;
+    const Segment& seg = segs[i];
+    const int64_t s = seg.s, q_len = pr.qsl[s + 1] - pr.qsl[s];
+    const int64_t earlier = pr.ctx_lens[s] - q_len;  // keys cached before this step
+    if (earlier < 0) continue;
+    const int64_t start = pr.qsl[s] + seg.j0, pos0 = earlier + seg.j0;
+    const int64_t limit = pos0 + seg.nq;  // keys up to the segment's last query (the pool holds this step's)
     // Earliest key any row may see (the window of the first query position).
     const int64_t first_key = pr.sliding_window > 0 ? std::max<int64_t>(0, pos0 - pr.sliding_window + 1) : 0;
     Run& r = runs[n];
-    r = Run{s, start, q_len, q_len * G, pos0, limit, first_key / BS,
+    r = Run{s, start, seg.nq, seg.nq * G, pos0, limit, first_key / BS,
             std::min<int64_t>((limit + BS - 1) / BS, pr.MB), w.m.data() + n * max_rows,
             w.l.data() + n * max_rows, w.acc.data() + n * max_rows * D};
     std::fill(r.m, r.m + r.rows, kMasked);
@@ -379,21 +388,34 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   else if (pr.BS == 32 && pr.D == 64) fn = &attend<32, 64>;
   else if (pr.BS == 32 && pr.D == 128) fn = &attend<32, 128>;
 
-  // The short runs, in batch order, cut into groups of kSeqGroup; work = (group, KV head).
-  std::vector<int64_t> eligible;
+  // Work items: each longer run (prefill, chunk) cut into blocks of kQueryBlock queries, one item
+  // each and first (the heavy ones); then the short runs (decodes), in batch order, in groups of
+  // kSeqGroup. Each item runs once per KV head.
+  std::vector<Segment> segs;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (first segment, count)
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
-    if (q_len >= 1 && q_len <= max_q_len && start >= 0 && start + q_len <= pr.T) eligible.push_back(s);
+    if (q_len <= kQueryBlock || q_len > max_q_len || start < 0 || start + q_len > pr.T) continue;
+    for (int64_t j0 = 0; j0 < q_len; j0 += kQueryBlock) {
+      items.emplace_back(static_cast<int64_t>(segs.size()), 1);
+      segs.push_back({s, j0, std::min(kQueryBlock, q_len - j0)});
+    }
   }
-  const int64_t groups = (static_cast<int64_t>(eligible.size()) + kSeqGroup - 1) / kSeqGroup;
-  const int64_t max_rows = max_q_len * pr.G;
-  jaxserve_native::parallel_for(pool, groups * pr.KVH, std::max<int64_t>(1, pool.num_threads()), [&](int64_t work) {
+  const int64_t first_short = static_cast<int64_t>(segs.size());
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = pr.qsl[s], q_len = pr.qsl[s + 1] - pr.qsl[s];
+    if (q_len >= 1 && q_len <= std::min(kQueryBlock, max_q_len) && start >= 0 && start + q_len <= pr.T)
+      segs.push_back({s, 0, q_len});
+  }
+  for (int64_t i = first_short; i < static_cast<int64_t>(segs.size()); i += kSeqGroup)
+    items.emplace_back(i, std::min<int64_t>(kSeqGroup, static_cast<int64_t>(segs.size()) - i));
+  const int64_t max_rows = std::min(max_q_len, kQueryBlock) * pr.G;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  jaxserve_native::parallel_for(pool, num_items * pr.KVH, std::max<int64_t>(1, pool.num_threads()), [&](int64_t work) {
     thread_local std::unique_ptr<Scratch> scratch;
     if (!scratch || !scratch->fits(pr, max_rows)) scratch = std::make_unique<Scratch>(pr, max_rows);
-    const int64_t g = work / pr.KVH, h = work % pr.KVH;
-    const int64_t first = g * kSeqGroup;
-    const int64_t count = std::min<int64_t>(kSeqGroup, static_cast<int64_t>(eligible.size()) - first);
-    fn(pr, *scratch, eligible.data() + first, count, h, max_rows);
+    const auto [first, count] = items[work / pr.KVH];
+    fn(pr, *scratch, segs.data() + first, count, work % pr.KVH, max_rows);
   });
   return ffi::Error::Success();
 }

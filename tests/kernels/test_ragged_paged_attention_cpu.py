@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas import native_cpu
 from kernels_pallas.oracle import step_kv
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_cpu import ragged_paged_attention_cpu
@@ -20,7 +21,9 @@ from tests.kernels.test_ragged_paged_attention import (ATOL, KNOBS, RTOL, SCENAR
                                                         oracle_cases)
 
 CPU_KNOBS = {
-    "default": {},
+    "default": {},                                   # native kernel: every run (decodes, prefill blocks)
+    "jnp_longer_runs": dict(decode_query_len=1),     # native decodes, in-step tiles + jnp pages for the rest
+    "pure_jnp": dict(native=False),
     "small_tiles": dict(q_block=4, **KNOBS["small_tiles"]),
     "odd_block": dict(q_block=24, query_tile=8, kv_pages_per_chunk=3),   # 64 rows = 2 tiles + 16 of padding
 }
@@ -39,16 +42,21 @@ def test_matches_naive_oracle(case, knobs):
 
 
 def test_each_part_matters():
-    """A prefill continuing earlier context needs both parts: dropping either changes the answer."""
+    """On the jnp route, a prefill continuing earlier context needs both parts: dropping either
+    changes the answer. The native kernel reads every key from the pool, never `k`/`v`."""
     args = make_batch([(48, 16), (9, 1)])
     want = naive_attention(*args, sm_scale=SM_SCALE)
-    np.testing.assert_allclose(np.asarray(run_cpu(args)), want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(run_cpu(args, decode_query_len=1)), want, rtol=RTOL, atol=ATOL)
     k, v = step_kv(args)
-    wrong_step = ragged_paged_attention_cpu(*map(jnp.asarray, (args[0], k * 0, v * 0, *args[1:])), sm_scale=SM_SCALE)
+    zeroed = tuple(map(jnp.asarray, (args[0], k * 0, v * 0, *args[1:])))
+    wrong_step = ragged_paged_attention_cpu(*zeroed, sm_scale=SM_SCALE, decode_query_len=1)
     assert np.abs(np.asarray(wrong_step)[:17] - want[:17]).max() > 0.1
     no_context = list(args)
     no_context[1] = np.zeros_like(args[1])
-    assert np.abs(np.asarray(run_cpu(tuple(no_context)))[:17] - want[:17]).max() > 0.1
+    assert np.abs(np.asarray(run_cpu(tuple(no_context), decode_query_len=1))[:17] - want[:17]).max() > 0.1
+    if native_cpu.available():
+        np.testing.assert_allclose(np.asarray(ragged_paged_attention_cpu(*zeroed, sm_scale=SM_SCALE)), want,
+                                   rtol=RTOL, atol=ATOL)
 
 
 def test_16bit_pool_as_uint16_bits_matches_reference():
