@@ -172,28 +172,37 @@ def matmul(x, w):
     `vdpbf16ps` pairs. Differentiable (the backward pass is jnp dots), so a model's training
     path may run through it. Call `gemm_available()` first.
     """
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"matmul takes x [M, K] and w [K, N], got {list(x.shape)} and {list(w.shape)}")
-    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"matmul takes float32 or bfloat16 operands of one dtype, got {x.dtype} and {w.dtype}")
-    return _matmul(x, w)
+    return matmuls(x, [w])[0]
+
+
+def matmuls(x, ws):
+    """[x w for w in ws]: the projections that read the same x (q/k/v, gate/up) in one call and one
+    work split (fewer, larger jobs for the threads); as `matmul` otherwise."""
+    ws = tuple(ws)
+    if x.ndim != 2 or not ws or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in ws):
+        raise ValueError(f"matmul takes x [M, K] and w [K, N], got {list(x.shape)} and "
+                         f"{[list(w.shape) for w in ws]}")
+    if any(w.dtype != x.dtype for w in ws) or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul takes float32 or bfloat16 operands of one dtype, got {x.dtype} and "
+                         f"{[str(w.dtype) for w in ws]}")
+    return list(_matmuls(x, ws))
 
 
 @jax.custom_vjp
-def _matmul(x, w):
-    call = jax.ffi.ffi_call(GEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    return call(x, w)
+def _matmuls(x, ws):
+    call = jax.ffi.ffi_call(GEMM_TARGET, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws))
+    return tuple(call(x, *ws))
 
 
-def _matmul_fwd(x, w):
-    return _matmul(x, w), (x, w)
+def _matmuls_fwd(x, ws):
+    return _matmuls(x, ws), (x, ws)
 
 
-def _matmul_bwd(residuals, g):
-    x, w = residuals
-    dx = jnp.dot(g, w.T.astype(jnp.float32)).astype(x.dtype)
-    dw = jnp.dot(x.T.astype(jnp.float32), g).astype(w.dtype)
-    return dx, dw
+def _matmuls_bwd(residuals, gs):
+    x, ws = residuals
+    x32 = x.astype(jnp.float32)
+    dx = sum(jnp.dot(g, w.astype(jnp.float32).T) for g, w in zip(gs, ws)).astype(x.dtype)
+    return dx, tuple(jnp.dot(x32.T, g).astype(w.dtype) for g, w in zip(gs, ws))
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)

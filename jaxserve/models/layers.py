@@ -57,17 +57,28 @@ class Proj(nnx.Einsum):
         kernel = self.kernel[...]
         if self.native_rows and native_matvec_ok(x, kernel):
             y = native_cpu.matvec(x, kernel.reshape(x.size, -1)).reshape(1, *kernel.shape[x.ndim - 1:])
-            if self.bias is not None:
-                y = y + self.bias[...].astype(jnp.float32)
-        elif self.native_rows and native_gemm_ok(x, kernel):
-            rows = x.shape[0]
-            y = native_cpu.matmul(x.reshape(rows, -1), kernel.reshape(x[0].size, -1))
-            y = y.reshape(rows, *kernel.shape[x.ndim - 1:])
-            if self.bias is not None:
-                y = y + self.bias[...].astype(jnp.float32)
-        else:
-            y = one_row_safe(super().__call__, x)
+            return self.finish(y, x.dtype)
+        if self.native_rows and native_gemm_ok(x, kernel):
+            return project_together([self], x)[0]
+        y = one_row_safe(super().__call__, x)
         return y.astype(self.dtype or x.dtype)
+
+    def finish(self, y: jax.Array, x_dtype) -> jax.Array:
+        """A native float32 product -> this projection's output: plus the bias, in the compute dtype."""
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype or x_dtype)
+
+
+def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
+    """[p(x) for p in projs]; one native call for all of them (q/k/v, gate/up) when each would take
+    the native matmul: one work split instead of several small ones."""
+    kernels = [p.kernel[...] for p in projs]
+    if not all(p.native_rows and native_gemm_ok(x, k) for p, k in zip(projs, kernels)):
+        return [p(x) for p in projs]
+    rows, depth = x.shape[0], x[0].size
+    ys = native_cpu.matmuls(x.reshape(rows, depth), [k.reshape(depth, -1) for k in kernels])
+    return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:
@@ -234,9 +245,8 @@ class Attention(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None
     ) -> tuple[jax.Array, jax.Array | None]:
-        q = self.q_proj(x)                                  # [T, heads, head_dim]
-        k = self.k_proj(x)                                  # [T, kv_heads, head_dim]
-        v = self.v_proj(x)                                  # [T, kv_heads, head_dim]
+        # [T, heads, head_dim], [T, kv_heads, head_dim] x 2
+        q, k, v = project_together([self.q_proj, self.k_proj, self.v_proj], x)
         if self.q_norm is not None:                         # Qwen3: per-head RMSNorm before RoPE
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -267,7 +277,8 @@ class MLP(nnx.Module):
         self.down_proj = Proj("tf,fd->td", (intermediate, hidden), down_bias, **common)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, intermediate]
+        gate, up = project_together([self.gate_proj, self.up_proj], x)
+        h = jax.nn.silu(gate) * up                            # [T, intermediate]
         return self.down_proj(h)                              # [T, hidden]
 
 

@@ -5,9 +5,9 @@
 // units give (benchmarks/RESULTS.md); a register-tiled kernel that reads the weight where
 // it lies gets ~90% at any row count.
 //
-// Inputs: x [M, K] and w [K, N], both float32 or both bfloat16 (raw 16-bit words).
-// Output: y [M, N] float32 (the caller rounds it to its dtype, as XLA's dot with a float32
-// result does).
+// Inputs: x [M, K] and one or more weights w_i [K, N_i] (q/k/v, or gate/up, in one call), all
+// float32 or all bfloat16 (raw 16-bit words). Outputs: y_i [M, N_i] float32 (the caller
+// rounds them to its dtype, as XLA's dot with a float32 result does).
 //
 // Work: the columns are cut into panels of NR and the rows into tiles of MR; each tile keeps
 // MR x NR sums in registers while it walks K. float32: the panel is read in place, a
@@ -25,6 +25,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,7 +48,7 @@ inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __m
 
 template <int MR, int NV>
 void tile_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-              __mmask16 last, bool accumulate, bool prefetch, const float* next) {
+              __mmask16 last, bool accumulate, bool prefetch, const float* next, int64_t next_ld) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -59,7 +61,7 @@ void tile_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t l
       for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * ldb + 16 * j), _MM_HINT_T0);
     }
     if (next != nullptr) {   // and the panel this thread takes next, into L2
-      for (int j = 0; j < 3; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + k * ldb + 16 * j), _MM_HINT_T1);
+      for (int j = 0; j < 3; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + k * next_ld + 16 * j), _MM_HINT_T1);
     }
     __m512 bv[NV];
 #pragma GCC unroll 4
@@ -88,39 +90,40 @@ constexpr int MR_F32 = 8, NR_F32 = 48;
 
 template <int MR>
 void rows_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-              int64_t width, bool accumulate, bool prefetch, const float* next) {
+              int64_t width, bool accumulate, bool prefetch, const float* next, int64_t next_ld) {
   const int nv = static_cast<int>((width + 15) / 16);
   const __mmask16 last = tail_mask(width - 16 * (nv - 1));
   switch (nv) {
-    case 1: tile_f32<MR, 1>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next); break;
-    case 2: tile_f32<MR, 2>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next); break;
-    default: tile_f32<MR, 3>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next); break;
+    case 1: tile_f32<MR, 1>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next, next_ld); break;
+    case 2: tile_f32<MR, 2>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next, next_ld); break;
+    default: tile_f32<MR, 3>(kc, a, lda, b, ldb, c, ldc, last, accumulate, prefetch, next, next_ld); break;
   }
 }
 
-// Rows [m0, m1) of the panel at column n0 (width <= NR_F32), every K block; `next_n0` as in
-// panel_bf16.
+// Rows [m0, m1) of the panel at column n0 (width <= NR_F32), every K block; `next` (row 0 of
+// the full panel this thread likely takes next, leading dimension next_ld; or null) is
+// prefetched during the first tile.
 void panel_f32(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
-               int64_t n0, int64_t width, int64_t next_n0) {
+               int64_t n0, int64_t width, const float* next_panel, int64_t next_ld) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool acc = k0 > 0;
     const float* b = w + k0 * N + n0;
-    const float* next = next_n0 >= 0 && next_n0 + NR_F32 <= N ? w + k0 * N + next_n0 : nullptr;
+    const float* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
     int64_t m = m0;
     for (; m + MR_F32 <= m1; m += MR_F32, next = nullptr)
-      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, N, y + m * N + n0, N, width, acc, m == m0, next);
+      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, N, y + m * N + n0, N, width, acc, m == m0, next, next_ld);
     const float* a = x + m * K + k0;
     float* c = y + m * N + n0;
     const bool first = m == m0;
     switch (m1 - m) {
-      case 1: rows_f32<1>(kc, a, K, b, N, c, N, width, acc, first, next); break;
-      case 2: rows_f32<2>(kc, a, K, b, N, c, N, width, acc, first, next); break;
-      case 3: rows_f32<3>(kc, a, K, b, N, c, N, width, acc, first, next); break;
-      case 4: rows_f32<4>(kc, a, K, b, N, c, N, width, acc, first, next); break;
-      case 5: rows_f32<5>(kc, a, K, b, N, c, N, width, acc, first, next); break;
-      case 6: rows_f32<6>(kc, a, K, b, N, c, N, width, acc, first, next); break;
-      case 7: rows_f32<7>(kc, a, K, b, N, c, N, width, acc, first, next); break;
+      case 1: rows_f32<1>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 2: rows_f32<2>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 3: rows_f32<3>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 4: rows_f32<4>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 5: rows_f32<5>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 6: rows_f32<6>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 7: rows_f32<7>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
       default: break;
     }
   }
@@ -218,18 +221,17 @@ void tile_bf16(int64_t kc, const uint16_t* a, int64_t lda, const uint16_t* packe
     }
 }
 
-// `next_n0`: the column of the panel this thread will likely take next (< 0: none), prefetched
-// during the first tile.
+// `next_panel`, `next_ld`: as in panel_f32.
 void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
-                int64_t n0, int64_t width, uint16_t* packed, int64_t next_n0) {
+                int64_t n0, int64_t width, uint16_t* packed, const uint16_t* next_panel, int64_t next_ld) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool acc = k0 > 0;
     pack_bf16(w, K, N, k0, kc, n0, width, packed);
-    const uint16_t* next = next_n0 >= 0 && next_n0 + NR_BF16 <= N ? w + k0 * N + next_n0 : nullptr;
+    const uint16_t* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
     int64_t m = m0;
     for (; m + MR_BF16 <= m1; m += MR_BF16, next = nullptr)
-      tile_bf16<MR_BF16>(kc, x + m * K + k0, K, packed, y + m * N + n0, N, width, acc, next, N);
+      tile_bf16<MR_BF16>(kc, x + m * K + k0, K, packed, y + m * N + n0, N, width, acc, next, next_ld);
     const uint16_t* a = x + m * K + k0;
     float* c = y + m * N + n0;
     switch (m1 - m) {
@@ -245,50 +247,81 @@ void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int6
 
 // ---- work split ---------------------------------------------------------------------------
 
-// Items are (panel, row part); rows are split (in whole tiles) only as far as needed to give
-// every thread the same number of items.
-// run(n0, width, m0, m1, next_n0): next_n0 is the panel the same thread likely runs next (items
-// are handed out in order, so about `threads` items later), or -1.
-template <typename F>
-void for_items(ffi::ThreadPool& pool, int64_t M, int64_t N, int64_t nr, int64_t mr, F&& run) {
-  const int64_t panels = (N + nr - 1) / nr, tiles = (M + mr - 1) / mr;
+struct Operand {  // one weight of the call and its output
+  const void* w;
+  float* y;
+  int64_t N;
+};
+
+// Items are (operand, panel, row part) over every operand's panels; rows are split (in whole
+// tiles) only as far as needed to give every thread the same number of items. Each item also
+// names the full panel the same thread likely runs next (items are handed out in order, so
+// about `threads` items later) for prefetching, or none.
+template <typename T, typename F>
+void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops, int64_t nr, int64_t mr, F&& run) {
+  std::vector<int64_t> first_panel(ops.size() + 1, 0);   // prefix sums of the operands' panel counts
+  for (size_t i = 0; i < ops.size(); ++i) first_panel[i + 1] = first_panel[i] + (ops[i].N + nr - 1) / nr;
+  const int64_t panels = first_panel.back(), tiles = (M + mr - 1) / mr;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t parts = 1;
   while (parts < tiles && (panels * parts) % threads != 0) ++parts;
   const int64_t items = panels * parts;
+  auto locate = [&](int64_t panel) {   // (operand, first column) of a global panel index
+    size_t op = 0;
+    while (first_panel[op + 1] <= panel) ++op;
+    return std::make_pair(op, (panel - first_panel[op]) * nr);
+  };
   jaxserve_native::parallel_for(pool, items, threads, [&](int64_t item) {
     const int64_t panel = item / parts, part = item % parts;
     const int64_t m0 = std::min(M, tiles * part / parts * mr), m1 = std::min(M, tiles * (part + 1) / parts * mr);
-    const int64_t next = item + threads < items ? (item + threads) / parts * nr : -1;
-    if (m0 < m1) run(panel * nr, std::min(nr, N - panel * nr), m0, m1, next == panel * nr ? -1 : next);
+    if (m0 >= m1) return;
+    const auto [op, n0] = locate(panel);
+    const T* next = nullptr;
+    int64_t next_ld = 0;
+    if (item + threads < items && (item + threads) / parts != panel) {
+      const auto [next_op, next_n0] = locate((item + threads) / parts);
+      if (next_n0 + nr <= ops[next_op].N) {
+        next = static_cast<const T*>(ops[next_op].w) + next_n0;
+        next_ld = ops[next_op].N;
+      }
+    }
+    run(ops[op], n0, std::min(nr, ops[op].N - n0), m0, m1, next, next_ld);
   });
 }
 
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("gemm takes x [M, K] and w [K, N]");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  if (y->element_count() != static_cast<size_t>(M * N)) return ffi::Error::InvalidArgument("y must be [M, N]");
-  float* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.0f);
-    return ffi::Error::Success();
+// x [M, K] times each weight w_i [K, N_i] (the remaining arguments) into y_i [M, N_i] (the
+// results): one call, one work split, for the projections that read the same x.
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("gemm takes x [M, K]");
+  const int64_t M = xd[0], K = xd[1];
+  if (ws.size() == 0 || ws.size() != ys.size()) return ffi::Error::InvalidArgument("gemm takes one result per weight");
+  std::vector<Operand> ops;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
+    const auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[0] != K) return ffi::Error::InvalidArgument("gemm takes weights [K, N]");
+    if (w->element_type() != x.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
+    if ((*y)->element_count() != static_cast<size_t>(M * wd[1])) return ffi::Error::InvalidArgument("y must be [M, N]");
+    float* yp = (*y)->typed_data();
+    if (K == 0) std::fill(yp, yp + M * wd[1], 0.0f);
+    if (K > 0 && M > 0 && wd[1] > 0) ops.push_back({w->untyped_data(), yp, wd[1]});
   }
-  if (x.element_type() != w.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
+  if (ops.empty()) return ffi::Error::Success();
   if (x.element_type() == ffi::DataType::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
-    const float* wp = static_cast<const float*>(w.untyped_data());
-    for_items(pool, M, N, NR_F32, MR_F32, [&](int64_t n0, int64_t width, int64_t m0, int64_t m1, int64_t next) {
-      panel_f32(xp, wp, yp, m0, m1, K, N, n0, width, next);
+    for_items<float>(pool, M, ops, NR_F32, MR_F32, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
+                                                       int64_t m1, const float* next, int64_t next_ld) {
+      panel_f32(xp, static_cast<const float*>(op.w), op.y, m0, m1, K, op.N, n0, width, next, next_ld);
     });
   } else if (x.element_type() == ffi::DataType::BF16) {
     const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
-    const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
-    for_items(pool, M, N, NR_BF16, MR_BF16, [&](int64_t n0, int64_t width, int64_t m0, int64_t m1, int64_t next) {
+    for_items<uint16_t>(pool, M, ops, NR_BF16, MR_BF16, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
+                                                             int64_t m1, const uint16_t* next, int64_t next_ld) {
       thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_BF16]);
-      panel_bf16(xp, wp, yp, m0, m1, K, N, n0, width, packed.get(), next);
+      panel_bf16(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get(), next, next_ld);
     });
   } else {
     return ffi::Error::InvalidArgument("gemm takes float32 or bfloat16 operands");
@@ -303,7 +336,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 extern "C" int JaxserveGemmSupported() { return 0; }
 
 namespace {
-ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::ResultBuffer<ffi::F32>) {
+ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets) {
   return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
 }
 }  // namespace
@@ -314,5 +347,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()          // w [K, N]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .RemainingArgs()                // weights w_i [K, N_i]
+                                  .RemainingRets());              // results y_i [M, N_i] float32

@@ -107,6 +107,22 @@ def test_rows_native_equal_einsum(einsum_str, dtype, monkeypatch):
 
 
 @needs_gemm
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmuls_share_one_call(dtype):
+    """q/k/v-like weights of different widths in one call: each result equals its own product, and the
+    step lowers to one custom call."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((11, 96)), dtype)
+    ws = [jnp.asarray(rng.standard_normal((96, n)), dtype) for n in (96, 32, 32, 50)]
+    got = jax.jit(native_cpu.matmuls)(x, ws)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    for g, w in zip(got, ws):
+        want = x64 @ np.asarray(w.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(np.asarray(g), want, rtol=0, atol=2e-6 * np.sqrt(96) * np.abs(want).max())
+    assert jax.jit(native_cpu.matmuls).lower(x, ws).as_text().count("jaxserve_gemm") == 1
+
+
+@needs_gemm
 def test_matmul_gradients_equal_jnp():
     """The training path may run through the native matmul: its VJP is jnp's."""
     rng = np.random.default_rng(4)
@@ -117,6 +133,12 @@ def test_matmul_gradients_equal_jnp():
     want = jax.grad(loss(lambda x, w: jnp.dot(x, w, precision="highest")), argnums=(0, 1))(x, w)
     for g, h in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
+    w2 = w[:, :7] * 2
+    two = lambda x, w, w2: sum(jnp.sum(jnp.tanh(y)) for y in native_cpu.matmuls(x, [w, w2]))
+    ref = lambda x, w, w2: jnp.sum(jnp.tanh(jnp.dot(x, w, precision="highest"))) + jnp.sum(
+        jnp.tanh(jnp.dot(x, w2, precision="highest")))
+    for g, h in zip(jax.grad(two, argnums=(0, 1, 2))(x, w, w2), jax.grad(ref, argnums=(0, 1, 2))(x, w, w2)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,dtypes,match", [
@@ -124,6 +146,7 @@ def test_matmul_gradients_equal_jnp():
     ((3,), (3, 6), (jnp.float32, jnp.float32), r"x \[M, K\] and w \[K, N\]"),
     ((3, 4), (4, 6), (jnp.float32, jnp.bfloat16), "one dtype"),
     ((3, 4), (4, 6), (jnp.float16, jnp.float16), "float32 or bfloat16"),
+    ((3, 4), (0,), (jnp.float32, jnp.float32), r"x \[M, K\] and w \[K, N\]"),
 ])
 def test_matmul_refuses_bad_operands(x_shape, w_shape, dtypes, match):
     with pytest.raises(ValueError, match=match):
