@@ -46,7 +46,7 @@ class StepInputs:
     logits_indices: jax.Array    # [R] int32 flat index of each sampling row's token (padding 0): a sequence's
                                  # last scheduled token, and with drafts the last real token and each draft
     banned_token_ids: jax.Array  # [R, MAX_BANNED] int32 ids masked for rows under min_tokens (padding -1)
-    want_logprobs: jax.Array     # [] bool: some row asked for top-N logprobs
+    want_logprobs: jax.Array     # [] bool: some row asked for logprobs (the sampled token's, top-N)
     token_bitmask: jax.Array     # [R, ceil(V / 32)] int32 allowed tokens (structured output); all ones unconstrained
     use_bitmask: jax.Array       # [] bool: some row is constrained (else the mask is not applied at all)
     attn: AttentionMetadata
@@ -196,7 +196,7 @@ def prepare_inputs(
         temperature[rows], top_k[rows], top_p[rows], min_p[rows] = p.temperature, p.top_k, p.top_p, p.min_p
         seeds[rows] = st.seed & 0xFFFFFFFF
         sample_index[rows] = np.arange(st.num_output_tokens, st.num_output_tokens + k + 1)
-        want_logprobs |= bool(p.logprobs)
+        want_logprobs |= p.logprobs is not None
         # Penalties and min_tokens' bans need the tokens before each row: the scheduler proposes
         # no drafts for such requests, so they have one row.
         if penalised and _uses_penalties(p):
