@@ -255,14 +255,14 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
   const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
   const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
-  if (p + 1 < run.last_page) {   // the next page's K and V (scattered 4 KB runs the prefetcher misses)
+  if (p + 1 < run.last_page) {   // the next page's K and V into L2 (a group's pages ahead overflow L1)
     const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
     const int64_t elem = pr.bits_dtype ? 2 : 4, bytes = BS * D * elem;
     const char* nk = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * bytes;
     const char* nv = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * bytes;
     for (int64_t line = 0; line < bytes; line += 64) {
-      _mm_prefetch(nk + line, _MM_HINT_T0);
-      _mm_prefetch(nv + line, _MM_HINT_T0);
+      _mm_prefetch(nk + line, _MM_HINT_T1);
+      _mm_prefetch(nv + line, _MM_HINT_T1);
     }
   }
   const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, run.limit - key0);
