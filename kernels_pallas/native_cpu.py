@@ -1,9 +1,11 @@
 """Native CPU kernels: built on first use, registered with XLA's FFI, called in the step.
 
-What flows through: `paged_context_native(...)` (decode attention, `native/paged_context.cc`,
+What flows through: `paged_context_native(...)` (attention of every run, `native/paged_context.cc`,
 reads the K/V pages in place), `matvec(...)` (one-row matmuls, `native/matvec.cc`) and
-`matmul(...)` (the projections of steps with 2+ rows, `native/gemm.cc`) are traced inside
-the caller's jitted step and each becomes one XLA custom call. The shared library is compiled once per machine with the system C++ compiler
+`matmul(...)` (the projections of steps with 2+ rows, `native/gemm.cc`; needs AVX-512 BF16)
+are traced inside the caller's jitted step and each becomes one XLA custom call; they split
+their work over XLA's own intra-op threads (`native/parallel.h`). The shared library is
+compiled once per machine with the system C++ compiler
 (`c++ -O3 -march=native -fopenmp-simd`, jaxlib's FFI headers) into the user's cache folder,
 keyed by the source, the compiler flags and the jaxlib version; `available()` does that
 on the caller's thread (the engine calls it at start-up) and says False, after one
@@ -108,7 +110,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
         _GEMM_SUPPORTED[0] = bool(lib.JaxserveGemmSupported())
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
-        logger.warning("native CPU kernels unavailable (%s); decodes and one-row matmuls use pure jnp", e)
+        logger.warning("native CPU kernels unavailable (%s); attention uses pure jnp and matmuls XLA's dots", e)
         return False
     logger.info("native CPU kernels loaded from %s", path)
     return True

@@ -18,8 +18,6 @@
 // items on XLA's intra-op threads (parallel.h); a weight panel is read from memory once per
 // row part.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -34,6 +32,8 @@
 namespace ffi = xla::ffi;
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+#include <immintrin.h>
 
 extern "C" int JaxserveGemmSupported() { return 1; }
 

@@ -10,7 +10,12 @@
 // the caller's stack. Without a pool (or with one thread) the caller runs every item.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define JAXSERVE_PAUSE() _mm_pause()
+#else
+#define JAXSERVE_PAUSE() std::this_thread::yield()
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -48,7 +53,7 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t items, int64_t workers, F&
     });
   work();
   for (int spins = 0; counter->done.load(std::memory_order_acquire) < items; ++spins) {
-    if (spins < 4096) _mm_pause();
+    if (spins < 4096) JAXSERVE_PAUSE();
     else std::this_thread::yield();
   }
 }
