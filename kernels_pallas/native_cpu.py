@@ -88,7 +88,6 @@ def build(path: Path | None = None) -> Path:
 
 
 _LOCK = threading.Lock()
-_GEMM_SUPPORTED = [False]   # set by _load: the library was built with AVX-512 BF16
 
 
 def available() -> bool:
@@ -97,28 +96,28 @@ def available() -> bool:
     Thread-safe: the runner compiles its token buckets on several threads at once.
     """
     with _LOCK:
-        return _load()
+        return _load() is not None
 
 
 @functools.cache
-def _load() -> bool:
+def _load() -> ctypes.CDLL | None:
+    """The built library with its targets registered, or None (after one warning)."""
     try:
         path = build()
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedContext), platform="cpu")
         jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.JaxserveMatvec), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
-        _GEMM_SUPPORTED[0] = bool(lib.JaxserveGemmSupported())
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         logger.warning("native CPU kernels unavailable (%s); attention uses pure jnp and matmuls XLA's dots", e)
-        return False
+        return None
     logger.info("native CPU kernels loaded from %s", path)
-    return True
+    return lib
 
 
 def gemm_available() -> bool:
-    """True when `matmul` can run here: the kernels loaded and the CPU has AVX-512 BF16."""
-    return available() and _GEMM_SUPPORTED[0]
+    """True when `matmul` can run here: the kernels loaded and were built with AVX-512 BF16."""
+    return available() and bool(_load().JaxserveGemmSupported())
 
 
 def gemm_enabled() -> bool:

@@ -121,8 +121,6 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
             qs[:num_tokens].reshape(num_tokens, num_q_heads, head_dim), kv_cache, block_tables, context_lens,
             query_start_loc, num_seqs, bits_dtype=q.dtype, max_q_len=decode_query_len,
             sliding_window=sliding_window, soft_cap=soft_cap)
-        if num_tokens == 1:   # static: a one-token step is one short run, nothing else to merge
-            return out.astype(q.dtype)
         rows = ((0, padded - num_tokens), (0, 0), (0, 0))
         parts.append((jnp.pad(out.reshape(num_tokens, *qs.shape[1:]), rows + ((0, 0),)),
                       jnp.pad(lse.reshape(num_tokens, *qs.shape[1:-1]), rows, constant_values=-jnp.inf)))

@@ -139,6 +139,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty on: sampling reads the tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 

@@ -62,10 +62,6 @@ class PromptLogprobsInputs:
     want_top: jax.Array          # [] bool: some request asked for a top-N (prompt_logprobs > 0)
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-
-
 @functools.lru_cache(maxsize=32)
 def _minus_ones(rows: int, cols: int) -> np.ndarray:
     """A shared read-only [rows, cols] int32 array of -1: no tokens (padding), or as a bitmask every token allowed."""
@@ -163,7 +159,7 @@ def prepare_inputs(
     repetition = np.ones(R, np.float32)
     seeds = np.zeros(R, np.uint32)
     sample_index = np.zeros(R, np.int32)
-    penalised = [i for i, (st, _) in enumerate(scheduled) if _uses_penalties(st.sampling_params)]
+    penalised = [i for i, (st, _) in enumerate(scheduled) if st.sampling_params.uses_penalties]
     if penalised:
         output_ids = np.full((R, max_model_len), -1, np.int32)
         prompt_ids = np.full((R, max_model_len), -1, np.int32)
@@ -199,7 +195,7 @@ def prepare_inputs(
         want_logprobs |= p.logprobs is not None
         # Penalties and min_tokens' bans need the tokens before each row: the scheduler proposes
         # no drafts for such requests, so they have one row.
-        if penalised and _uses_penalties(p):
+        if penalised and p.uses_penalties:
             presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             output_ids[r, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
             prompt_ids[r, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]

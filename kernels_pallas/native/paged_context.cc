@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "bits.h"
@@ -139,26 +140,34 @@ struct Run {  // one sequence's query rows in a group
   float *m, *l, *acc;  // online-softmax state of its rows, in the thread's scratch
 };
 
+// Pool page of KV head h's K (half 0) or V (half 1) for page index p of run `run`'s sequence
+// (out-of-range table entries clamp into the pool).
+inline int64_t pool_page(const Problem& pr, const Run& run, int half, int64_t h, int64_t p) {
+  const int64_t block = std::clamp<int64_t>(pr.tables[run.s * pr.MB + p], 0, pr.NB - 1);
+  return (half * pr.KVH + h) * pr.NB + block;
+}
+
+// Raw addresses of the K and V pages after page p (null when p is the run's last page), to
+// prefetch: pages are scattered 2-4 KB runs, too short for the hardware prefetcher to get ahead.
+inline std::pair<const char*, const char*> next_pages(const Problem& pr, const Run& run, int64_t h, int64_t p,
+                                                      int64_t page_bytes) {
+  if (p + 1 >= run.last_page) return {nullptr, nullptr};
+  const char* base = static_cast<const char*>(pr.kv);
+  return {base + pool_page(pr, run, 0, h, p + 1) * page_bytes, base + pool_page(pr, run, 1, h, p + 1) * page_bytes};
+}
+
 // Fold page p of run `r` (KV head h) into its rows' online softmax.
 template <int64_t kBS, int64_t kD>
 void fold_page(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t p) {
   const int64_t BS = kBS ? kBS : pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
-  const int64_t s = run.s, start = run.start, rows = run.rows, pos0 = run.pos0, limit = run.limit;
-  const int64_t last_page = run.last_page;
+  const int64_t start = run.start, rows = run.rows, pos0 = run.pos0, limit = run.limit;
   float *m = run.m, *l = run.l, *acc = run.acc, *sc = w.scores.data();
-  const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
-  const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
-  const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
+  const float* kpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 0, h, p), BS * D, w.kbuf.data());
+  const float* vpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 1, h, p), BS * D, w.vbuf.data());
   const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, limit - key0);
-  // The next page's K and V, to prefetch a few cache lines at a time while this page computes:
-  // pages are scattered 4 KB runs, too short for the hardware prefetcher to get ahead.
-  const char *next_k = nullptr, *next_v = nullptr;
+  // The next page's K and V, a few cache lines at a time while this page computes.
   const int64_t elem = pr.bits_dtype ? 2 : 4, lines_per_key = std::max<int64_t>(1, D * elem / 64);
-  if (p + 1 < last_page) {
-    const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
-    next_k = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
-    next_v = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * BS * D * elem;
-  }
+  const auto [next_k, next_v] = next_pages(pr, run, h, p, BS * D * elem);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t j = r / G, g = r % G;
     const int64_t q_pos = pos0 + j;
@@ -253,16 +262,12 @@ template <int64_t kD>
 void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t p) {
   constexpr int64_t BS = 16, D = kD;
   constexpr int NV = static_cast<int>(kD / 16);
-  const int64_t G = pr.G, QH = pr.QH, s = run.s;
-  const int64_t block = std::clamp<int64_t>(pr.tables[s * pr.MB + p], 0, pr.NB - 1);
-  const float* kpage = page_rows(pr.kv, pr.bits_dtype, (0 * pr.KVH + h) * pr.NB + block, BS * D, w.kbuf.data());
-  const float* vpage = page_rows(pr.kv, pr.bits_dtype, (1 * pr.KVH + h) * pr.NB + block, BS * D, w.vbuf.data());
-  if (p + 1 < run.last_page) {   // the next page's K and V into L2 (a group's pages ahead overflow L1)
-    const int64_t next = std::clamp<int64_t>(pr.tables[s * pr.MB + p + 1], 0, pr.NB - 1);
-    const int64_t elem = pr.bits_dtype ? 2 : 4, bytes = BS * D * elem;
-    const char* nk = static_cast<const char*>(pr.kv) + ((0 * pr.KVH + h) * pr.NB + next) * bytes;
-    const char* nv = static_cast<const char*>(pr.kv) + ((1 * pr.KVH + h) * pr.NB + next) * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) {
+  const int64_t G = pr.G, QH = pr.QH;
+  const float* kpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 0, h, p), BS * D, w.kbuf.data());
+  const float* vpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 1, h, p), BS * D, w.vbuf.data());
+  const int64_t page_bytes = BS * D * (pr.bits_dtype ? 2 : 4);
+  if (const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes); nk != nullptr) {
+    for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
       _mm_prefetch(nk + line, _MM_HINT_T1);
       _mm_prefetch(nv + line, _MM_HINT_T1);
     }

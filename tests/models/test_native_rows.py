@@ -21,24 +21,33 @@ SHAPES = {   # every projection form of the Llama family: q/k/v, o, gate/up, dow
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("einsum_str", list(SHAPES))
-def test_one_row_native_equals_einsum(einsum_str, dtype):
-    assert native_cpu.available()
+def native_and_plain(einsum_str, dtype, rows):
+    """(a `native_rows` Proj, the same Proj without, x of `rows` rows): equal weights and biases."""
     kernel_shape, bias_shape = SHAPES[einsum_str]
     native = Proj(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0),
                   native_rows=True)
     plain = Proj(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     native.bias[...] = plain.bias[...] = jnp.asarray(np.random.default_rng(1).standard_normal(bias_shape), dtype)
-    assert native.native_rows
-    in_shape = (1, *kernel_shape[:len(einsum_str.split(",")[0]) - 1])
-    x = jnp.asarray(np.random.default_rng(2).standard_normal(in_shape), dtype)
+    in_shape = (rows, *kernel_shape[:len(einsum_str.split(",")[0]) - 1])
+    return native, plain, jnp.asarray(np.random.default_rng(2).standard_normal(in_shape), dtype)
+
+
+def assert_same_projection(native, plain, x):
     got = jax.jit(lambda x: native(x))(x)
     want = jax.jit(lambda x: plain(x))(x)
-    assert got.dtype == dtype and got.shape == want.shape
-    # float32: the same XLA einsum; bfloat16: both round a float32 sum to bf16 (1 ulp apart at most)
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert got.dtype == x.dtype and got.shape == want.shape
+    # float32: float32 sums; bfloat16: both round a float32 sum to bf16 (1 ulp apart at most)
+    tol = 1e-5 if x.dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("einsum_str", list(SHAPES))
+def test_one_row_native_equals_einsum(einsum_str, dtype):
+    assert native_cpu.available()
+    native, plain, x = native_and_plain(einsum_str, dtype, rows=1)
+    assert native.native_rows
+    assert_same_projection(native, plain, x)
     lowered = jax.jit(lambda x: native(x)).lower(x).as_text()
     assert ("jaxserve_matvec" in lowered) == (dtype == jnp.bfloat16)
     assert "jaxserve_matvec" not in jax.jit(lambda x: native(jnp.concatenate([x, x]))).lower(x).as_text()
@@ -89,18 +98,8 @@ def test_matmul_against_numpy(m, k, n, dtype):
 def test_rows_native_equal_einsum(einsum_str, dtype, monkeypatch):
     """Projections of 2+ rows run through the native matmul and equal XLA's einsum; the switch
     JAXSERVE_NATIVE_GEMM=0 keeps XLA's dot."""
-    kernel_shape, bias_shape = SHAPES[einsum_str]
-    native = Proj(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0),
-                  native_rows=True)
-    plain = Proj(einsum_str, kernel_shape, bias_shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    native.bias[...] = plain.bias[...] = jnp.asarray(np.random.default_rng(1).standard_normal(bias_shape), dtype)
-    in_shape = (5, *kernel_shape[:len(einsum_str.split(",")[0]) - 1])
-    x = jnp.asarray(np.random.default_rng(2).standard_normal(in_shape), dtype)
-    got = jax.jit(lambda x: native(x))(x)
-    want = jax.jit(lambda x: plain(x))(x)
-    assert got.dtype == dtype and got.shape == want.shape
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2   # bf16: both round a float32 sum (1 ulp apart at most)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    native, plain, x = native_and_plain(einsum_str, dtype, rows=5)
+    assert_same_projection(native, plain, x)
     assert "jaxserve_gemm" in jax.jit(lambda x: native(x)).lower(x).as_text()
     monkeypatch.setenv("JAXSERVE_NATIVE_GEMM", "0")
     assert "jaxserve_gemm" not in jax.jit(lambda x: native(x)).lower(x).as_text()
