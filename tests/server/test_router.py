@@ -93,16 +93,18 @@ class FakeInstance(pb_grpc.GenerationServicer, pb_grpc.KVTransferServicer):
     async def Generate(self, request, context):
         self.requests.append(request)
         self.log.append((self.kv_role, request.request_id))
+        # context.write, not an async generator: a cancel that lands while grpc writes a yielded message
+        # leaves the generator suspended, where no CancelledError reaches it
         try:
             if self.fail is not None:
                 await context.abort(*self.fail)
             await asyncio.sleep(self.first_delay_s)
             if self.kv_role == "producer":
-                yield pb.GenerateResponse(chunk=pb.Chunk(index=0, token_ids=[99], text="x"))
-                yield pb.GenerateResponse(complete=self.produced(request))
+                await context.write(pb.GenerateResponse(chunk=pb.Chunk(index=0, token_ids=[99], text="x")))
+                await context.write(pb.GenerateResponse(complete=self.produced(request)))
                 return
             async for message in self.decoded(request, context):
-                yield message
+                await context.write(message)
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
