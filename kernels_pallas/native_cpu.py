@@ -166,44 +166,50 @@ def matvec(x, w, *, transposed: bool = False):
     return call(x.reshape(k).astype(jnp.float32), w, transposed=np.int64(transposed))
 
 
-def matmul(x, w):
-    """x [M, K] times w [K, N] -> [M, N] float32; x and w both float32 or both bfloat16.
+def matmul(x, w, *, transposed: bool = False):
+    """x [M, K] times w [K, N] (or w [N, K] when `transposed`: x w^T, the lm head on a [vocab, hidden]
+    embedding) -> [M, N] float32; x and w both float32 or both bfloat16.
 
     Register-tiled on the CPU (`native/gemm.cc`); float32 sums in float32 FMAs, bfloat16 in
     `vdpbf16ps` pairs. Differentiable (the backward pass is jnp dots), so a model's training
     path may run through it. Call `gemm_available()` first.
     """
-    return matmuls(x, [w])[0]
+    return matmuls(x, [w], transposed=transposed)[0]
 
 
-def matmuls(x, ws):
+def matmuls(x, ws, *, transposed: bool = False):
     """[x w for w in ws]: the projections that read the same x (q/k/v, gate/up) in one call and one
     work split (fewer, larger jobs for the threads); as `matmul` otherwise."""
     ws = tuple(ws)
-    if x.ndim != 2 or not ws or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in ws):
-        raise ValueError(f"matmul takes x [M, K] and w [K, N], got {list(x.shape)} and "
-                         f"{[list(w.shape) for w in ws]}")
+    k_axis = 1 if transposed else 0
+    if x.ndim != 2 or not ws or any(w.ndim != 2 or w.shape[k_axis] != x.shape[1] for w in ws):
+        raise ValueError(f"matmul takes x [M, K] and w {'[N, K]' if transposed else '[K, N]'}, got "
+                         f"{list(x.shape)} and {[list(w.shape) for w in ws]}")
     if any(w.dtype != x.dtype for w in ws) or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmul takes float32 or bfloat16 operands of one dtype, got {x.dtype} and "
                          f"{[str(w.dtype) for w in ws]}")
-    return list(_matmuls(x, ws))
+    return list(_matmuls(x, ws, transposed))
 
 
-@jax.custom_vjp
-def _matmuls(x, ws):
-    call = jax.ffi.ffi_call(GEMM_TARGET, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws))
-    return tuple(call(x, *ws))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmuls(x, ws, transposed):
+    n_axis = 0 if transposed else 1
+    call = jax.ffi.ffi_call(GEMM_TARGET, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
+                                               for w in ws))
+    return tuple(call(x, *ws, transposed=np.int64(transposed)))
 
 
-def _matmuls_fwd(x, ws):
-    return _matmuls(x, ws), (x, ws)
+def _matmuls_fwd(x, ws, transposed):
+    return _matmuls(x, ws, transposed), (x, ws)
 
 
-def _matmuls_bwd(residuals, gs):
+def _matmuls_bwd(transposed, residuals, gs):
     x, ws = residuals
     x32 = x.astype(jnp.float32)
-    dx = sum(jnp.dot(g, w.astype(jnp.float32).T) for g, w in zip(gs, ws)).astype(x.dtype)
-    return dx, tuple(jnp.dot(x32.T, g).astype(w.dtype) for g, w in zip(gs, ws))
+    kn = [w.astype(jnp.float32).T if transposed else w.astype(jnp.float32) for w in ws]   # each as [K, N]
+    dx = sum(jnp.dot(g, w.T) for g, w in zip(gs, kn)).astype(x.dtype)
+    dws = (jnp.dot(x32.T, g) for g in gs)
+    return dx, tuple((dw.T if transposed else dw).astype(w.dtype) for dw, w in zip(dws, ws))
 
 
 _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)

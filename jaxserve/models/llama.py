@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import DecoderLayer, RMSNorm, native_matvec_ok, one_row_safe
+from jaxserve.models.layers import DecoderLayer, RMSNorm, native_gemm_ok, native_matvec_ok, one_row_safe
 from kernels_pallas import native_cpu
 from jaxserve.models.metadata import AttentionMetadata
 
@@ -70,5 +70,7 @@ class LlamaForCausalLM(nnx.Module):
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head[...]  # [vocab, hidden]
         if self.config.native_rows and native_matvec_ok(hidden, weight):
             return native_cpu.matvec(hidden, weight, transposed=True)[None]    # batch-1 decode: native
+        if self.config.native_rows and native_gemm_ok(hidden, weight):    # 2+ rows: x w^T, native
+            return native_cpu.matmul(hidden, weight, transposed=True)
         weight = weight.astype(hidden.dtype)
         return one_row_safe(lambda h: jnp.einsum("nd,vd->nv", h, weight, preferred_element_type=jnp.float32), hidden)

@@ -5,16 +5,19 @@
 // units give (benchmarks/RESULTS.md); a register-tiled kernel that reads the weight where
 // it lies gets ~90% at any row count.
 //
-// Inputs: x [M, K] and one or more weights w_i [K, N_i] (q/k/v, or gate/up, in one call), all
-// float32 or all bfloat16 (raw 16-bit words). Outputs: y_i [M, N_i] float32 (the caller
-// rounds them to its dtype, as XLA's dot with a float32 result does).
+// Inputs: x [M, K] and one or more weights w_i [K, N_i] (q/k/v, or gate/up, in one call), or
+// with `transposed` w_i [N_i, K] (the lm head on a [vocab, hidden] embedding), all float32 or all
+// bfloat16 (raw 16-bit words). Outputs: y_i [M, N_i] float32 (the caller rounds them to its
+// dtype, as XLA's dot with a float32 result does).
 //
 // Work: the columns are cut into panels of NR and the rows into tiles of MR; each tile keeps
 // MR x NR sums in registers while it walks K. float32: the panel is read in place, a
 // broadcast x[m, k] times NR weights per FMA. bfloat16: the panel is first interleaved
 // k-pair-wise ([K/2][NR][2], thread-local, zero-padded at the edges) so one `vdpbf16ps`
 // multiplies 16 weight pairs by a broadcast pair of x and adds both products into 16 sums.
-// K is walked in blocks of KC so a panel stays in L2. Threads split the (panel, row part)
+// A transposed weight is packed for both dtypes: its panel's rows are read 16 at a time and
+// transposed in registers as 32-bit words (a float32, or a bf16 k pair, which lie side by side
+// in a [N, K] row). K is walked in blocks of KC so a panel stays in L2. Threads split the (panel, row part)
 // items on XLA's intra-op threads (parallel.h); a weight panel is read from memory once per
 // row part.
 
@@ -100,31 +103,107 @@ void rows_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t l
   }
 }
 
+template <int NR>
+void pack_transposed(const void* w, bool bf16, int64_t K, int64_t k0, int64_t kc, int64_t n0, int64_t width,
+                     uint32_t* out);
+
 // Rows [m0, m1) of the panel at column n0 (width <= NR_F32), every K block; `next` (row 0 of
 // the full panel this thread likely takes next, leading dimension next_ld; or null) is
-// prefetched during the first tile.
+// prefetched during the first tile. With `packed` (a [KC][NR_F32] buffer), w is [N, K] and each
+// K block of the panel is packed there first.
 void panel_f32(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
-               int64_t n0, int64_t width, const float* next_panel, int64_t next_ld) {
+               int64_t n0, int64_t width, const float* next_panel, int64_t next_ld, float* packed = nullptr) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool acc = k0 > 0;
     const float* b = w + k0 * N + n0;
+    int64_t ldb = N;
+    if (packed != nullptr) {
+      pack_transposed<NR_F32>(w, false, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
+      b = packed, ldb = NR_F32;
+    }
+    const bool fetch = packed == nullptr;   // a packed panel is in L1/L2 already
     const float* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
     int64_t m = m0;
     for (; m + MR_F32 <= m1; m += MR_F32, next = nullptr)
-      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, N, y + m * N + n0, N, width, acc, m == m0, next, next_ld);
+      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, ldb, y + m * N + n0, N, width, acc, fetch && m == m0, next,
+                       next_ld);
     const float* a = x + m * K + k0;
     float* c = y + m * N + n0;
-    const bool first = m == m0;
+    const bool first = fetch && m == m0;
     switch (m1 - m) {
-      case 1: rows_f32<1>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
-      case 2: rows_f32<2>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
-      case 3: rows_f32<3>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
-      case 4: rows_f32<4>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
-      case 5: rows_f32<5>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
-      case 6: rows_f32<6>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
-      case 7: rows_f32<7>(kc, a, K, b, N, c, N, width, acc, first, next, next_ld); break;
+      case 1: rows_f32<1>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 2: rows_f32<2>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 3: rows_f32<3>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 4: rows_f32<4>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 5: rows_f32<5>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 6: rows_f32<6>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 7: rows_f32<7>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
       default: break;
+    }
+  }
+}
+
+// ---- transposed weights: [N, K] rows into [k][NR] (float32) or [k pair][NR][2] (bfloat16) --
+
+// The 16 x 16 transpose of 32-bit words r[0..15] in place (unpack within lanes, then move lanes).
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // b[4j + q], lane l = rows 4j..4j+3 of column 4l + q
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    b[4 * j] = _mm512_unpacklo_epi64(a[4 * j], a[4 * j + 2]);
+    b[4 * j + 1] = _mm512_unpackhi_epi64(a[4 * j], a[4 * j + 2]);
+    b[4 * j + 2] = _mm512_unpacklo_epi64(a[4 * j + 1], a[4 * j + 3]);
+    b[4 * j + 3] = _mm512_unpackhi_epi64(a[4 * j + 1], a[4 * j + 3]);
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    const __m512i u0 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x44), u1 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xEE);
+    r[q] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    r[4 + q] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    r[8 + q] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    r[12 + q] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+}
+
+// Rows [n0, n0 + width) of w [N, K], K block [k0, k0 + kc), as 32-bit words into out[c][NR]: word
+// c of a row is the float w[n, k0 + c], or (bf16) the pair w[n, k0 + 2c], w[n, k0 + 2c + 1] (the
+// second zero past kc); zeros past width. Full 16 x 16 blocks go through transpose16.
+template <int NR>
+void pack_transposed(const void* w, bool bf16, int64_t K, int64_t k0, int64_t kc, int64_t n0, int64_t width,
+                     uint32_t* out) {
+  const int64_t words = bf16 ? (kc + 1) / 2 : kc, full_words = bf16 ? kc / 2 : kc;
+  const int64_t elem = bf16 ? 2 : 4;
+  const char* base = static_cast<const char*>(w);
+  auto row = [&](int64_t n) { return base + ((n0 + n) * K + k0) * elem; };
+  auto word = [&](int64_t n, int64_t c) -> uint32_t {
+    if (!bf16) return reinterpret_cast<const uint32_t*>(row(n))[c];
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(row(n));
+    const uint32_t hi = 2 * c + 1 < kc ? r[2 * c + 1] : 0;
+    return r[2 * c] | hi << 16;
+  };
+  for (int64_t nb = 0; nb < NR; nb += 16) {
+    const int64_t rows = std::clamp<int64_t>(width - nb, 0, 16);
+    for (int64_t cb = 0; cb < words; cb += 16) {
+      if (rows == 16 && cb + 16 <= full_words) {
+        __m512i r[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(row(nb + i) + cb * 4);
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (cb + j) * NR + nb, r[j]);
+        continue;
+      }
+      for (int64_t c = cb; c < std::min(cb + 16, words); ++c)
+        for (int64_t i = 0; i < 16; ++i) out[c * NR + nb + i] = i < rows ? word(nb + i, c) : 0;
     }
   }
 }
@@ -221,13 +300,17 @@ void tile_bf16(int64_t kc, const uint16_t* a, int64_t lda, const uint16_t* packe
     }
 }
 
-// `next_panel`, `next_ld`: as in panel_f32.
+// `next_panel`, `next_ld`: as in panel_f32. `transposed`: w is [N, K].
 void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
-                int64_t n0, int64_t width, uint16_t* packed, const uint16_t* next_panel, int64_t next_ld) {
+                int64_t n0, int64_t width, uint16_t* packed, const uint16_t* next_panel, int64_t next_ld,
+                bool transposed) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool acc = k0 > 0;
-    pack_bf16(w, K, N, k0, kc, n0, width, packed);
+    if (transposed)
+      pack_transposed<NR_BF16>(w, true, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
+    else
+      pack_bf16(w, K, N, k0, kc, n0, width, packed);
     const uint16_t* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
     int64_t m = m0;
     for (; m + MR_BF16 <= m1; m += MR_BF16, next = nullptr)
@@ -256,9 +339,12 @@ struct Operand {  // one weight of the call and its output
 // Items are (operand, panel, row part) over every operand's panels; rows are split (in whole
 // tiles) only as far as needed to give every thread the same number of items. Each item also
 // names the full panel the same thread likely runs next (items are handed out in order, so
-// about `threads` items later) for prefetching, or none.
+// about `threads` items later) for prefetching, or none: in a [K, N] weight its first row
+// (leading dimension N), in a [N, K] weight (`K_transposed` = K) its nr rows, one contiguous
+// block (given as leading dimension nr, so the tiles' prefetches walk it in step with k).
 template <typename T, typename F>
-void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops, int64_t nr, int64_t mr, F&& run) {
+void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops, int64_t nr, int64_t mr,
+               int64_t K_transposed, F&& run) {
   std::vector<int64_t> first_panel(ops.size() + 1, 0);   // prefix sums of the operands' panel counts
   for (size_t i = 0; i < ops.size(); ++i) first_panel[i + 1] = first_panel[i] + (ops[i].N + nr - 1) / nr;
   const int64_t panels = first_panel.back(), tiles = (M + mr - 1) / mr;
@@ -281,8 +367,8 @@ void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops
     if (item + threads < items && (item + threads) / parts != panel) {
       const auto [next_op, next_n0] = locate((item + threads) / parts);
       if (next_n0 + nr <= ops[next_op].N) {
-        next = static_cast<const T*>(ops[next_op].w) + next_n0;
-        next_ld = ops[next_op].N;
+        next = static_cast<const T*>(ops[next_op].w) + (K_transposed ? next_n0 * K_transposed : next_n0);
+        next_ld = K_transposed ? nr : ops[next_op].N;
       }
     }
     run(ops[op], n0, std::min(nr, ops[op].N - n0), m0, m1, next, next_ld);
@@ -291,7 +377,8 @@ void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops
 
 // x [M, K] times each weight w_i [K, N_i] (the remaining arguments) into y_i [M, N_i] (the
 // results): one call, one work split, for the projections that read the same x.
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                    int64_t transposed) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("gemm takes x [M, K]");
   const int64_t M = xd[0], K = xd[1];
@@ -302,26 +389,34 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    if (wd.size() != 2 || wd[0] != K) return ffi::Error::InvalidArgument("gemm takes weights [K, N]");
+    if (wd.size() != 2 || wd[transposed ? 1 : 0] != K)
+      return ffi::Error::InvalidArgument(transposed ? "gemm takes weights [N, K]" : "gemm takes weights [K, N]");
+    const int64_t n = wd[transposed ? 0 : 1];
     if (w->element_type() != x.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
-    if ((*y)->element_count() != static_cast<size_t>(M * wd[1])) return ffi::Error::InvalidArgument("y must be [M, N]");
+    if ((*y)->element_count() != static_cast<size_t>(M * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
     float* yp = (*y)->typed_data();
-    if (K == 0) std::fill(yp, yp + M * wd[1], 0.0f);
-    if (K > 0 && M > 0 && wd[1] > 0) ops.push_back({w->untyped_data(), yp, wd[1]});
+    if (K == 0) std::fill(yp, yp + M * n, 0.0f);
+    if (K > 0 && M > 0 && n > 0) ops.push_back({w->untyped_data(), yp, n});
   }
   if (ops.empty()) return ffi::Error::Success();
   if (x.element_type() == ffi::DataType::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
-    for_items<float>(pool, M, ops, NR_F32, MR_F32, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
+    for_items<float>(pool, M, ops, NR_F32, MR_F32, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
                                                        int64_t m1, const float* next, int64_t next_ld) {
-      panel_f32(xp, static_cast<const float*>(op.w), op.y, m0, m1, K, op.N, n0, width, next, next_ld);
+      if (transposed) {
+        thread_local std::unique_ptr<float[]> packed(new float[KC * NR_F32]);
+        panel_f32(xp, static_cast<const float*>(op.w), op.y, m0, m1, K, op.N, n0, width, next, next_ld, packed.get());
+      } else {
+        panel_f32(xp, static_cast<const float*>(op.w), op.y, m0, m1, K, op.N, n0, width, next, next_ld);
+      }
     });
   } else if (x.element_type() == ffi::DataType::BF16) {
     const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
-    for_items<uint16_t>(pool, M, ops, NR_BF16, MR_BF16, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
+    for_items<uint16_t>(pool, M, ops, NR_BF16, MR_BF16, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
                                                              int64_t m1, const uint16_t* next, int64_t next_ld) {
       thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_BF16]);
-      panel_bf16(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get(), next, next_ld);
+      panel_bf16(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get(),
+                 next, next_ld, transposed);
     });
   } else {
     return ffi::Error::InvalidArgument("gemm takes float32 or bfloat16 operands");
@@ -336,7 +431,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
 extern "C" int JaxserveGemmSupported() { return 0; }
 
 namespace {
-ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets) {
+ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets, int64_t) {
   return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
 }
 }  // namespace
@@ -348,4 +443,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .RemainingArgs()                // weights w_i [K, N_i]
-                                  .RemainingRets());              // results y_i [M, N_i] float32
+                                  .RemainingRets()                // results y_i [M, N_i] float32
+                                  .Attr<int64_t>("transposed"));  // 1: the weights are [N_i, K]

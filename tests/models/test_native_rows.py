@@ -4,6 +4,7 @@ faster in the step), and 2+ rows of float32 or bf16 through the native matmul.""
 
 from __future__ import annotations
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,17 +76,20 @@ needs_gemm = pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-
 
 
 @needs_gemm
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m,k,n", [
     (2, 1, 1), (7, 33, 100), (13, 576, 192), (64, 576, 1536), (9, 577, 65), (6, 2051, 49), (64, 64, 48),
+    (5, 40, 1000),
 ], ids=lambda v: str(v))
-def test_matmul_against_numpy(m, k, n, dtype):
+def test_matmul_against_numpy(m, k, n, dtype, transposed):
     """Every tail: rows past the last full tile, columns past the last full panel, odd K (bf16
-    pairs), K over one 1,024-row block (partial sums added across blocks)."""
+    pairs), K over one 1,024-row block (partial sums added across blocks); a [N, K] weight
+    (`transposed`) also past the last full 16 x 16 block it is packed in."""
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), dtype)
-    got = jax.jit(native_cpu.matmul)(x, w)
+    got = jax.jit(functools.partial(native_cpu.matmul, transposed=transposed))(x, w.T if transposed else w)
     assert got.dtype == jnp.float32 and got.shape == (m, n)
     want = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
     # float32 sums of exact products (bf16 x bf16 is exact in float32): rounding error only
@@ -138,6 +142,12 @@ def test_matmul_gradients_equal_jnp():
         jnp.tanh(jnp.dot(x, w2, precision="highest")))
     for g, h in zip(jax.grad(two, argnums=(0, 1, 2))(x, w, w2), jax.grad(ref, argnums=(0, 1, 2))(x, w, w2)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
+    wt = lambda mm: (lambda x, w: jnp.sum(jnp.tanh(mm(x, w))))     # a [N, K] weight
+    got = jax.grad(wt(functools.partial(native_cpu.matmul, transposed=True)), argnums=(0, 1))(x, w.T)
+    want = jax.grad(wt(lambda x, w: jnp.dot(x, w.T, precision="highest")), argnums=(0, 1))(x, w.T)
+    for g, h in zip(got, want):
+        assert g.shape == h.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,dtypes,match", [
@@ -150,3 +160,8 @@ def test_matmul_gradients_equal_jnp():
 def test_matmul_refuses_bad_operands(x_shape, w_shape, dtypes, match):
     with pytest.raises(ValueError, match=match):
         native_cpu.matmul(jnp.zeros(x_shape, dtypes[0]), jnp.zeros(w_shape, dtypes[1]))
+
+
+def test_transposed_matmul_refuses_a_kn_weight():
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        native_cpu.matmul(jnp.zeros((3, 4)), jnp.zeros((4, 6)), transposed=True)
