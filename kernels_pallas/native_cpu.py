@@ -132,12 +132,15 @@ def prefill_enabled() -> bool:
 
 
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
-                         bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None):
+                         bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None,
+                         q_bf16: bool = False):
     """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
     included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
     `qs` [T, QH, D] float32 queries already scaled by sm_scale; `kv_cache` float32, or uint16
-    holding `bits_dtype` bits. Returns (out [T, QH, D], lse [T, QH]) float32; rows of other
+    holding `bits_dtype` bits. `q_bf16`: the caller vouches that every value of `qs` is a
+    bfloat16 exactly (a bf16 model's q times a power-of-two scale); then the scores against a
+    bf16 pool come from the CPU's bf16 dot products on the K pages as they lie. Returns (out [T, QH, D], lse [T, QH]) float32; rows of other
     sequences are (0, -inf). Call `available()` first.
     """
     num_tokens, num_q_heads, head_dim = qs.shape
@@ -150,7 +153,8 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
                  jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)))
     return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
-                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+                q_bf16=np.int64(bool(q_bf16)))
 
 
 def matvec(x, w, *, transposed: bool = False):

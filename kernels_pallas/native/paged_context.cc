@@ -7,7 +7,9 @@
 // (parallel.h), are (item, KV head): a block of 16 queries of a longer run, or a group of
 // up to 8 short runs walked page by page together (shared prefix pages read once).
 //
-// Inputs: q [T, QH, D] float32, already scaled by sm_scale; kv [2, KVH, NB, BS, D] float32,
+// Inputs: q [T, QH, D] float32, already scaled by sm_scale (with `q_bf16` set the caller vouches
+// that every value is a bfloat16 exactly, e.g. a bf16 model's q times a power-of-two scale, so
+// against a bf16 pool the scores come from `vdpbf16ps` on the raw K pages); kv [2, KVH, NB, BS, D] float32,
 // or uint16 holding bfloat16 (bits_dtype 1) or float16 (bits_dtype 2) bits; block_tables
 // [S, MB] int32; context_lens [S] int32 (tokens cached after this step); query_start_loc
 // [S + 1] int32; num_seqs [] int32. For sequence s with q_len = query_start_loc[s+1] -
@@ -115,6 +117,7 @@ struct Problem {
   float* lse;               // [T, QH]
   int64_t T, QH, D, KVH, NB, BS, MB, G, bits_dtype, sliding_window;
   float soft_cap;
+  bool q_bf16;              // q holds bfloat16 values exactly
 };
 
 constexpr int64_t kSeqGroup = 8;     // short runs walked page by page together (see `attend`)
@@ -263,7 +266,15 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   constexpr int64_t BS = 16, D = kD;
   constexpr int NV = static_cast<int>(kD / 16);
   const int64_t G = pr.G, QH = pr.QH;
-  const float* kpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 0, h, p), BS * D, w.kbuf.data());
+  // bf16 q against a bf16 pool: K stays as it lies (pairs of bf16 into vdpbf16ps), else float32 rows
+#ifdef __AVX512BF16__
+  const bool dot_bf16 = kD % 32 == 0 && pr.q_bf16 && pr.bits_dtype == 1;
+#else
+  const bool dot_bf16 = false;
+#endif
+  const int64_t k_page = pool_page(pr, run, 0, h, p);
+  const float* kpage = dot_bf16 ? nullptr : page_rows(pr.kv, pr.bits_dtype, k_page, BS * D, w.kbuf.data());
+  const uint16_t* kraw = static_cast<const uint16_t*>(pr.kv) + k_page * BS * D;
   const float* vpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 1, h, p), BS * D, w.vbuf.data());
   const int64_t page_bytes = BS * D * (pr.bits_dtype ? 2 : 4);
   if (const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes); nk != nullptr) {
@@ -287,12 +298,30 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
     __m512 qv[NV], partial[BS];
     #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qrow + 16 * v);
+#ifdef __AVX512BF16__
+    if (dot_bf16) {
+      constexpr int NB = NV / 2 > 0 ? NV / 2 : 1;   // 32 bf16 per vector
+      __m512bh qb[NB];
+      #pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) qb[b] = _mm512_cvtne2ps_pbh(qv[2 * b + 1], qv[2 * b]);   // exact: bf16 values
 #pragma GCC unroll 16
-    for (int64_t t = 0; t < BS; ++t) {
-      __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
-      #pragma GCC unroll 16
-      for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
-      partial[t] = d;
+      for (int64_t t = 0; t < BS; ++t) {
+        __m512 d = _mm512_setzero_ps();
+        #pragma GCC unroll 8
+        for (int b = 0; b < NB; ++b)
+          d = _mm512_dpbf16_ps(d, qb[b], (__m512bh)_mm512_loadu_si512(kraw + t * D + 32 * b));
+        partial[t] = d;
+      }
+    } else
+#endif
+    {
+#pragma GCC unroll 16
+      for (int64_t t = 0; t < BS; ++t) {
+        __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
+        #pragma GCC unroll 16
+        for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
+        partial[t] = d;
+      }
     }
     const __m512 scores = sum_lanes16(partial);
     const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
@@ -376,14 +405,14 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
-                            int64_t sliding_window, float soft_cap) {
+                            int64_t sliding_window, float soft_cap, int64_t q_bf16) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
   Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
              query_start_loc.typed_data(), out->typed_data(), lse->typed_data(),
              qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
-             sliding_window, soft_cap};
+             sliding_window, soft_cap, q_bf16 != 0};
   if (kd[4] != pr.D || pr.QH % pr.KVH) return ffi::Error::InvalidArgument("q and kv shapes disagree");
   pr.G = pr.QH / pr.KVH;
   const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
@@ -443,4 +472,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                                   .Attr<int64_t>("bits_dtype")
                                   .Attr<int64_t>("max_q_len")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("q_bf16"));     // 1: q's values are bfloat16 exactly

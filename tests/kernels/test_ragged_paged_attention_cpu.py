@@ -166,3 +166,30 @@ def test_sequences_sharing_prefix_pages(native):
     args[2] = tables
     got = run_cpu(tuple(args), native=native)
     np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+def test_bf16_queries_dot_the_pages_as_they_lie(head_dim):
+    """A bf16 q times a power-of-two scale is a bf16 exactly, so against a bf16 pool the kernel takes
+    the scores from bf16 dot products on the raw K pages (`q_bf16`): the same answer as the float32
+    path to float32 rounding, and the float64 oracle's on the same bf16 values."""
+    seqs = [(70, 1), (33, 1), (16, 1), (17, 1), (90, 20), (1, 1), (48, 2), (40, 17)]
+    args = make_batch(seqs, block_size=16, head_dim=head_dim, num_blocks=64, max_blocks=6, num_kv_heads=3, group=3)
+    q = np.asarray(jnp.asarray(args[0], jnp.bfloat16).astype(jnp.float32))
+    cache = jnp.asarray(args[1], jnp.bfloat16)
+    bits = jnp.asarray(np.asarray(cache).view(np.uint16))
+    meta = tuple(map(jnp.asarray, args[2:]))
+    scale = 2.0 ** -round(np.log2(head_dim) / 2)
+    got = {flag: native_cpu.paged_context_native(jnp.asarray(q * scale), bits, *meta, bits_dtype=jnp.bfloat16,
+                                                 max_q_len=q.shape[0], sliding_window=None, soft_cap=None,
+                                                 q_bf16=flag)[0] for flag in (False, True)}
+    want = naive_attention(q, np.asarray(cache.astype(jnp.float32)), *args[2:], sm_scale=scale)
+    for flag in (False, True):
+        np.testing.assert_allclose(np.asarray(got[flag]), want, rtol=1e-5, atol=1e-5)
+    # the bf16 path ran (other summation order) in the 64/128 shapes; the generic shapes ignore the flag
+    assert np.array_equal(np.asarray(got[True]), np.asarray(got[False])) == (head_dim not in (64, 128))
+    # the model-facing entry point takes that path by itself for a bf16 q and a power-of-two scale
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in step_kv(args))
+    out = ragged_paged_attention_cpu(jnp.asarray(q, jnp.bfloat16), k, v, bits, *meta, sm_scale=scale, native=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(got[True].astype(jnp.bfloat16)))
