@@ -258,12 +258,12 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// fold_page for 16-key pages and a head dim of kD (a multiple of 16) without soft-capping: the
-// 16 scores of a row come out in one vector, masked, exponentiated and summed 16 at a time, and
-// the row's output accumulates in registers.
-template <int64_t kD>
+// fold_page for pages of kBS keys (a multiple of 16) and a head dim of kD (a multiple of 16)
+// without soft-capping, 16 keys at a time: the 16 scores of a row come out in one vector,
+// masked, exponentiated and summed 16 at a time, and the row's output accumulates in registers.
+template <int64_t kBS, int64_t kD>
 void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t p) {
-  constexpr int64_t BS = 16, D = kD;
+  constexpr int64_t BS = kBS, D = kD;
   constexpr int NV = static_cast<int>(kD / 16);
   const int64_t G = pr.G, QH = pr.QH;
   // bf16 q against a bf16 pool: K stays as it lies (pairs of bf16 into vdpbf16ps), else float32 rows
@@ -273,9 +273,9 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   const bool dot_bf16 = false;
 #endif
   const int64_t k_page = pool_page(pr, run, 0, h, p);
-  const float* kpage = dot_bf16 ? nullptr : page_rows(pr.kv, pr.bits_dtype, k_page, BS * D, w.kbuf.data());
-  const uint16_t* kraw = static_cast<const uint16_t*>(pr.kv) + k_page * BS * D;
-  const float* vpage = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 1, h, p), BS * D, w.vbuf.data());
+  const float* kpage_all = dot_bf16 ? nullptr : page_rows(pr.kv, pr.bits_dtype, k_page, BS * D, w.kbuf.data());
+  const uint16_t* kraw_all = static_cast<const uint16_t*>(pr.kv) + k_page * BS * D;
+  const float* vpage_all = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 1, h, p), BS * D, w.vbuf.data());
   const int64_t page_bytes = BS * D * (pr.bits_dtype ? 2 : 4);
   if (const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes); nk != nullptr) {
     for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
@@ -283,65 +283,71 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       _mm_prefetch(nv + line, _MM_HINT_T1);
     }
   }
-  const int64_t key0 = p * BS, nkeys = std::min<int64_t>(BS, run.limit - key0);
-  const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(key0)),
-                                        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-  const __mmask16 in_page = nkeys >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nkeys) - 1);
-  alignas(64) float weights[BS];
-  for (int64_t r = 0; r < run.rows; ++r) {
-    const int64_t j = r / G, g = r % G, q_pos = run.pos0 + j;
-    __mmask16 valid = in_page & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos)));
-    if (pr.sliding_window > 0)
-      valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos - pr.sliding_window)));
-    if (!valid) continue;  // no visible key in this page for this row
-    const float* qrow = pr.q + ((run.start + j) * QH + h * G + g) * D;
-    __m512 qv[NV], partial[BS];
-    #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qrow + 16 * v);
-#ifdef __AVX512BF16__
-    if (dot_bf16) {
-      constexpr int NB = NV / 2 > 0 ? NV / 2 : 1;   // 32 bf16 per vector
-      __m512bh qb[NB];
-      #pragma GCC unroll 8
-      for (int b = 0; b < NB; ++b) qb[b] = _mm512_cvtne2ps_pbh(qv[2 * b + 1], qv[2 * b]);   // exact: bf16 values
-#pragma GCC unroll 16
-      for (int64_t t = 0; t < BS; ++t) {
-        __m512 d = _mm512_setzero_ps();
-        #pragma GCC unroll 8
-        for (int b = 0; b < NB; ++b)
-          d = _mm512_dpbf16_ps(d, qb[b], (__m512bh)_mm512_loadu_si512(kraw + t * D + 32 * b));
-        partial[t] = d;
-      }
-    } else
-#endif
-    {
-#pragma GCC unroll 16
-      for (int64_t t = 0; t < BS; ++t) {
-        __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
-        #pragma GCC unroll 16
-        for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
-        partial[t] = d;
-      }
-    }
-    const __m512 scores = sum_lanes16(partial);
-    const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
-    const float m_old = run.m[r], m_new = std::max(m_old, page_max);
-    const float alpha = m_old == kMasked ? 0.0f : fast_exp(m_old - m_new);
-    const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-    _mm512_store_ps(weights, e);
-    float* a = run.acc + r * D;
-    __m512 acc[NV];
-    #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(alpha));
-    for (int64_t t = 0; t < nkeys; ++t) {
-      const __m512 et = _mm512_set1_ps(weights[t]);
+  for (int64_t sub = 0; sub < BS / 16; ++sub) {   // 16 keys at a time
+    const int64_t key0 = p * BS + 16 * sub, nkeys = std::min<int64_t>(16, run.limit - key0);
+    if (nkeys <= 0) break;
+    const float* kpage = kpage_all == nullptr ? nullptr : kpage_all + 16 * sub * D;
+    const uint16_t* kraw = kraw_all + 16 * sub * D;
+    const float* vpage = vpage_all + 16 * sub * D;
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(key0)),
+                                          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __mmask16 in_page = nkeys >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nkeys) - 1);
+    alignas(64) float weights[16];
+    for (int64_t r = 0; r < run.rows; ++r) {
+      const int64_t j = r / G, g = r % G, q_pos = run.pos0 + j;
+      __mmask16 valid = in_page & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos)));
+      if (pr.sliding_window > 0)
+        valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos - pr.sliding_window)));
+      if (!valid) continue;  // no visible key in this page for this row
+      const float* qrow = pr.q + ((run.start + j) * QH + h * G + g) * D;
+      __m512 qv[NV], partial[16];
       #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(et, _mm512_loadu_ps(vpage + t * D + 16 * v), acc[v]);
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qrow + 16 * v);
+#ifdef __AVX512BF16__
+      if (dot_bf16) {
+        constexpr int NB = NV / 2 > 0 ? NV / 2 : 1;   // 32 bf16 per vector
+        __m512bh qb[NB];
+        #pragma GCC unroll 8
+        for (int b = 0; b < NB; ++b) qb[b] = _mm512_cvtne2ps_pbh(qv[2 * b + 1], qv[2 * b]);   // exact: bf16 values
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 d = _mm512_setzero_ps();
+          #pragma GCC unroll 8
+          for (int b = 0; b < NB; ++b)
+            d = _mm512_dpbf16_ps(d, qb[b], (__m512bh)_mm512_loadu_si512(kraw + t * D + 32 * b));
+          partial[t] = d;
+        }
+      } else
+#endif
+      {
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < 16; ++t) {
+          __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
+          #pragma GCC unroll 16
+          for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
+          partial[t] = d;
+        }
+      }
+      const __m512 scores = sum_lanes16(partial);
+      const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
+      const float m_old = run.m[r], m_new = std::max(m_old, page_max);
+      const float alpha = m_old == kMasked ? 0.0f : fast_exp(m_old - m_new);
+      const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+      _mm512_store_ps(weights, e);
+      float* a = run.acc + r * D;
+      __m512 acc[NV];
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(alpha));
+      for (int64_t t = 0; t < nkeys; ++t) {
+        const __m512 et = _mm512_set1_ps(weights[t]);
+        #pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(et, _mm512_loadu_ps(vpage + t * D + 16 * v), acc[v]);
+      }
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, acc[v]);
+      run.l[r] = run.l[r] * alpha + _mm512_reduce_add_ps(e);
+      run.m[r] = m_new;
     }
-    #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, acc[v]);
-    run.l[r] = run.l[r] * alpha + _mm512_reduce_add_ps(e);
-    run.m[r] = m_new;
   }
 }
 #endif
@@ -379,9 +385,9 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
     for (int64_t i = 0; i < n; ++i)
       if (p >= runs[i].first_page && p < runs[i].last_page) {
 #ifdef __AVX512F__
-        if constexpr (kBS == 16 && kD > 0 && kD % 16 == 0) {
+        if constexpr (kBS > 0 && kBS % 16 == 0 && kD > 0 && kD % 16 == 0) {
           if (pr.soft_cap <= 0.0f) {
-            fold_page16<kD>(pr, w, runs[i], h, p);
+            fold_page16<kBS, kD>(pr, w, runs[i], h, p);
             continue;
           }
         }
@@ -423,6 +429,8 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   else if (pr.BS == 16 && pr.D == 128) fn = &attend<16, 128>;
   else if (pr.BS == 32 && pr.D == 64) fn = &attend<32, 64>;
   else if (pr.BS == 32 && pr.D == 128) fn = &attend<32, 128>;
+  else if (pr.BS == 64 && pr.D == 64) fn = &attend<64, 64>;
+  else if (pr.BS == 64 && pr.D == 128) fn = &attend<64, 128>;
 
   // Work items: each longer run (prefill, chunk) cut into blocks of kQueryBlock queries, one item
   // each and first (the heavy ones); then the short runs (decodes), in batch order, in groups of
