@@ -275,12 +275,34 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   const int64_t k_page = pool_page(pr, run, 0, h, p);
   const float* kpage_all = dot_bf16 ? nullptr : page_rows(pr.kv, pr.bits_dtype, k_page, BS * D, w.kbuf.data());
   const uint16_t* kraw_all = static_cast<const uint16_t*>(pr.kv) + k_page * BS * D;
-  const float* vpage_all = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, run, 1, h, p), BS * D, w.vbuf.data());
+  const int64_t v_page = pool_page(pr, run, 1, h, p);
   const int64_t page_bytes = BS * D * (pr.bits_dtype ? 2 : 4);
-  if (const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes); nk != nullptr) {
-    for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
-      _mm_prefetch(nk + line, _MM_HINT_T1);
-      _mm_prefetch(nv + line, _MM_HINT_T1);
+  const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes);
+  const float* vpage_all;
+  if (pr.bits_dtype == 1) {
+    // V converted 16 values at a time, each step also prefetching one line of the next K and V pages
+    // into L2: spread out, the prefetches do not fill the miss queue in one burst and stall
+    const uint16_t* src = static_cast<const uint16_t*>(pr.kv) + v_page * BS * D;
+    float* dst = w.vbuf.data();
+    const int64_t lines = page_bytes / 64, steps = BS * D / 16;
+    for (int64_t i = 0; i < steps; ++i) {
+      if (nk != nullptr) {
+        for (int64_t line = i * lines / steps; line < (i + 1) * lines / steps; ++line) {
+          _mm_prefetch(nk + line * 64, _MM_HINT_T1);
+          _mm_prefetch(nv + line * 64, _MM_HINT_T1);
+        }
+      }
+      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
+      _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16)));
+    }
+    vpage_all = dst;
+  } else {
+    vpage_all = page_rows(pr.kv, pr.bits_dtype, v_page, BS * D, w.vbuf.data());
+    if (nk != nullptr) {
+      for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
+        _mm_prefetch(nk + line, _MM_HINT_T1);
+        _mm_prefetch(nv + line, _MM_HINT_T1);
+      }
     }
   }
   for (int64_t sub = 0; sub < BS / 16; ++sub) {   // 16 keys at a time
