@@ -353,13 +353,16 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       const __m512 scores = sum_lanes16(partial);
       const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
       const float m_old = run.m[r], m_new = std::max(m_old, page_max);
-      const float alpha = m_old == kMasked ? 0.0f : fast_exp(m_old - m_new);
+      // an unchanged max (most pages after the first few) rescales by exactly 1: skipped
+      const bool same_max = m_new == m_old;
+      const float alpha = m_old == kMasked ? 0.0f : same_max ? 1.0f : fast_exp(m_old - m_new);
       const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
       _mm512_store_ps(weights, e);
       float* a = run.acc + r * D;
       __m512 acc[NV];
       #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(alpha));
+      for (int v = 0; v < NV; ++v)
+        acc[v] = same_max ? _mm512_loadu_ps(a + 16 * v) : _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(alpha));
       for (int64_t t = 0; t < nkeys; ++t) {
         const __m512 et = _mm512_set1_ps(weights[t]);
         #pragma GCC unroll 16
