@@ -278,6 +278,9 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   const int64_t v_page = pool_page(pr, run, 1, h, p);
   const int64_t page_bytes = BS * D * (pr.bits_dtype ? 2 : 4);
   const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes);
+  // float32 16-key pages: the next pages' prefetches go out 8 lines per key of the first row's scores
+  const bool spread = kBS == 16 && pr.bits_dtype == 0 && nk != nullptr;
+  const int64_t lines_per_key = page_bytes / 64 / 16;
   const float* vpage_all;
   if (pr.bits_dtype == 1) {
     // V converted 16 values at a time, each step also prefetching one line of the next K and V pages
@@ -298,7 +301,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
     vpage_all = dst;
   } else {
     vpage_all = page_rows(pr.kv, pr.bits_dtype, v_page, BS * D, w.vbuf.data());
-    if (nk != nullptr) {
+    if (nk != nullptr && !spread) {
       for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
         _mm_prefetch(nk + line, _MM_HINT_T1);
         _mm_prefetch(nv + line, _MM_HINT_T1);
@@ -344,6 +347,12 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       {
 #pragma GCC unroll 16
         for (int64_t t = 0; t < 16; ++t) {
+          if (spread && r == 0) {
+            for (int64_t line = t * lines_per_key; line < (t + 1) * lines_per_key; ++line) {
+              _mm_prefetch(nk + line * 64, _MM_HINT_T1);
+              _mm_prefetch(nv + line * 64, _MM_HINT_T1);
+            }
+          }
           __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
           #pragma GCC unroll 16
           for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
