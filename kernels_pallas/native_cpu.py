@@ -140,8 +140,8 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     `qs` [T, QH, D] float32 queries already scaled by sm_scale; `kv_cache` float32, or uint16
     holding `bits_dtype` bits. `q_bf16`: the caller vouches that every value of `qs` is a
     bfloat16 exactly (a bf16 model's q times a power-of-two scale); then the scores against a
-    bf16 pool come from the CPU's bf16 dot products on the K pages as they lie. Returns (out [T, QH, D], lse [T, QH]) float32; rows of other
-    sequences are (0, -inf). Call `available()` first.
+    bf16 pool come from the CPU's bf16 dot products on the K pages as they lie. Returns (out
+    [T, QH, D], lse [T, QH]) float32; rows of other sequences are (0, -inf). Call `available()` first.
     """
     num_tokens, num_q_heads, head_dim = qs.shape
     bits = 0 if kv_cache.dtype == jnp.float32 else _BITS.get(np.dtype(bits_dtype))
