@@ -38,8 +38,8 @@ class Proj(nnx.Einsum):
     float32 result to bfloat16 is what a bf16 GEMM does anyway; for float32 models this is
     an ordinary einsum. Params keep nnx.Einsum's names (`kernel`, `bias`).
 
-    With `native_rows` (the "cpu" attention backend), a one-row input with bfloat16 weights (a
-    batch-1 decode step) runs through the native CPU matvec, which streams the weight in place,
+    With `native_rows` (the "cpu" attention backend), a one-row input (a batch-1 decode step) runs
+    through the native CPU matvec, which streams the weight in place,
     and 2+ rows through the native register-tiled matmul (`native_cpu.matmul`, 1.1-2x XLA's
     rate at the model's shapes, most at decode-sized row counts; benchmarks/RESULTS.md).
     """
@@ -82,12 +82,12 @@ def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:
-    """True when x is one bfloat16-weight row and `native_cpu.matvec` can take it here (static checks).
-
-    Only for bfloat16 weights: read in place at half the bytes, a batch-1 bf16 decode gains;
-    for float32 weights XLA's own one-row dot was faster in the step (29 vs 34-42 ms, roofline).
+    """True when x is one row, the weight float32 or bfloat16, and `native_cpu.matvec` can take it
+    here (static checks). bf16 weights are read in place at half the bytes (XLA's one-row bf16 dot
+    converts the whole weight first); a chain of the model's float32 one-row products streams
+    ~1.1x faster natively than through XLA's dots (benchmarks/RESULTS.md).
     """
-    if x.shape[0] != 1 or weight.dtype != jnp.bfloat16:
+    if x.shape[0] != 1 or weight.dtype not in (jnp.float32, jnp.bfloat16):
         return False
     return _unsharded() and native_cpu.available()
 

@@ -9,6 +9,10 @@
 // (transposed = 1: y[n] = sum_k w[n, k] x[k], the lm head's layout), float32 or bfloat16.
 // Output: y [N] float32.
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -53,12 +57,56 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int
     for (int64_t n = 0; n < N; ++n) y[n] += partial[static_cast<size_t>(t) * N + n];
 }
 
-// w [N, K]: one dot product per output, outputs split over the threads.
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {   // 16 bf16 -> float32, exactly
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// out[t] = sum of the 16 lanes of v[t] (a transpose-and-add tree, as in paged_context.cc).
+inline __m512 sum_lanes16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 16 outputs y[n0 .. n0 + 16) of w [N, K] x for K a multiple of 16: each row's products summed
+// in one vector, the 16 vectors reduced together.
+template <typename T>
+void dots16(const float* x, const T* w, float* y, int64_t K, int64_t n0) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(load16(w + (n0 + i) * K + k), xv, acc[i]);
+  }
+  _mm512_storeu_ps(y + n0, sum_lanes16(acc));
+}
+#endif
+
+// w [N, K]: one dot product per output, outputs split over the threads (16 at a time where K
+// allows: one horizontal sum per 16 outputs instead of one each).
 template <typename T>
 void dots(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), chunks = std::min<int64_t>(N, 4 * threads);
   jaxserve_native::parallel_for(pool, chunks, threads, [&](int64_t c) {
-    for (int64_t n = N * c / chunks; n < N * (c + 1) / chunks; ++n) {
+    int64_t n = N * c / chunks;
+    const int64_t end = N * (c + 1) / chunks;
+#ifdef __AVX512F__
+    if (K % 16 == 0)
+      for (; n + 16 <= end; n += 16) dots16(x, w, y, K, n);
+#endif
+    for (; n < end; ++n) {
       const T* row = w + n * K;
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
