@@ -160,14 +160,25 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
 def matvec(x, w, *, transposed: bool = False):
     """One-row matmul on the CPU: x [K] float32 times w [K, N] (or [N, K] when `transposed`,
     y = w @ x), w float32 or bfloat16 -> y [N] float32. Call `available()` first."""
-    if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"matvec takes a float32 or bfloat16 matrix, got {w.dtype}{list(w.shape)}")
-    k = w.shape[1] if transposed else w.shape[0]
-    if x.size != k:
-        raise ValueError(f"x has {x.size} elements, w {list(w.shape)} needs {k}")
-    n = w.shape[0] if transposed else w.shape[1]
-    call = jax.ffi.ffi_call(MATVEC_TARGET, jax.ShapeDtypeStruct((n,), jnp.float32))
-    return call(x.reshape(k).astype(jnp.float32), w, transposed=np.int64(transposed))
+    return matvecs(x, [w], transposed=transposed)[0]
+
+
+def matvecs(x, ws, *, transposed: bool = False):
+    """[x w for w in ws] for one row x [K] and weights [K, N_i] of one dtype (q/k/v, gate/up): one
+    call, one fan-out to the threads; with `transposed`, one [N, K] weight. As `matvec` otherwise."""
+    ws = tuple(ws)
+    for w in ws:
+        if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"matvec takes a float32 or bfloat16 matrix, got {w.dtype}{list(w.shape)}")
+        k = w.shape[1] if transposed else w.shape[0]
+        if x.size != k:
+            raise ValueError(f"x has {x.size} elements, w {list(w.shape)} needs {k}")
+    if not ws or len({w.dtype for w in ws}) != 1 or (transposed and len(ws) != 1):
+        raise ValueError(f"matvecs takes weights of one dtype (one when transposed), got "
+                         f"{[f'{w.dtype}{list(w.shape)}' for w in ws]}")
+    outs = tuple(jax.ShapeDtypeStruct((w.shape[0] if transposed else w.shape[1],), jnp.float32) for w in ws)
+    call = jax.ffi.ffi_call(MATVEC_TARGET, outs)
+    return list(call(x.reshape(x.size).astype(jnp.float32), *ws, transposed=np.int64(transposed)))
 
 
 def matmul(x, w, *, transposed: bool = False):

@@ -72,11 +72,15 @@ class Proj(nnx.Einsum):
 
 def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
     """[p(x) for p in projs]; one native call for all of them (q/k/v, gate/up) when each would take
-    the native matmul: one work split instead of several small ones."""
+    the native matvec (one row) or matmul: one work split instead of several small ones."""
     kernels = [p.kernel[...] for p in projs]
+    rows, depth = x.shape[0], x[0].size
+    if all(p.native_rows and native_matvec_ok(x, k) for p, k in zip(projs, kernels)) and len(set(
+            k.dtype for k in kernels)) == 1:     # one row (batch-1 decode): one native matvec call
+        ys = native_cpu.matvecs(x, [k.reshape(depth, -1) for k in kernels])
+        return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
     if not all(p.native_rows and native_gemm_ok(x, k) for p, k in zip(projs, kernels)):
         return [p(x) for p in projs]
-    rows, depth = x.shape[0], x[0].size
     ys = native_cpu.matmuls(x.reshape(rows, depth), [k.reshape(depth, -1) for k in kernels])
     return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
 

@@ -5,9 +5,9 @@
 // converting the whole weight to float32 first; this reads each weight once, split over the
 // intra-op threads (parallel.h), in its stored type.
 //
-// Inputs: x [K] float32; w [K, N] (transposed = 0: y[n] = sum_k x[k] w[k, n]) or [N, K]
-// (transposed = 1: y[n] = sum_k w[n, k] x[k], the lm head's layout), float32 or bfloat16.
-// Output: y [N] float32.
+// Inputs: x [K] float32; one or more weights w_i [K, N_i] (transposed = 0: y_i[n] = sum_k x[k]
+// w_i[k, n]; q/k/v or gate/up in one call) or one [N, K] (transposed = 1: y[n] = sum_k w[n, k]
+// x[k], the lm head's layout), float32 or bfloat16. Outputs: y_i [N_i] float32.
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -28,33 +28,56 @@ namespace {
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return jaxserve_native::bf16_to_f32(p[i]); }  // bf16 bits
 
-// w [K, N]: each thread takes a contiguous run of rows (one stream through memory) into its
-// own partial sums, which are added at the end.
+// One weight [K, N] of a call and its output.
+struct Operand {
+  const void* w;
+  float* y;
+  int64_t N;
+};
+
+// Rows [k0, k1) of w [K, N] times x into acc [N] (added).
 template <typename T>
-void rows_times(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
+void rows_into(const float* x, const T* w, float* acc, int64_t k0, int64_t k1, int64_t N) {
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {  // four rows per pass: the partial sums are loaded and stored 4x less
+    const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
+    const T *r0 = w + k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+#pragma omp simd
+    for (int64_t n = 0; n < N; ++n)
+      acc[n] += x0 * load(r0, n) + x1 * load(r1, n) + x2 * load(r2, n) + x3 * load(r3, n);
+  }
+  for (; k < k1; ++k) {
+    const float xk = x[k];
+    const T* row = w + k * N;
+#pragma omp simd
+    for (int64_t n = 0; n < N; ++n) acc[n] += xk * load(row, n);
+  }
+}
+
+// w_i [K, N_i]: each thread takes a contiguous run of rows of every weight (one stream through
+// memory each) into its own partial sums, which are added at the end. Several weights in one
+// call: one fan-out to the threads instead of one each.
+template <typename T>
+void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops, int64_t K) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), K / 64));
-  std::vector<float> partial(static_cast<size_t>(threads) * N, 0.0f);
+  int64_t total = 0;
+  for (const Operand& op : ops) total += op.N;
+  std::vector<float> partial(static_cast<size_t>(threads) * total, 0.0f);
   jaxserve_native::parallel_for(pool, threads, threads, [&](int64_t t) {
     const int64_t k0 = K * t / threads, k1 = K * (t + 1) / threads;
-    float* acc = partial.data() + static_cast<int64_t>(t) * N;
-    int64_t k = k0;
-    for (; k + 4 <= k1; k += 4) {  // four rows per pass: the partial sums are loaded and stored 4x less
-      const float x0 = x[k], x1 = x[k + 1], x2 = x[k + 2], x3 = x[k + 3];
-      const T *r0 = w + k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
-#pragma omp simd
-      for (int64_t n = 0; n < N; ++n)
-        acc[n] += x0 * load(r0, n) + x1 * load(r1, n) + x2 * load(r2, n) + x3 * load(r3, n);
-    }
-    for (; k < k1; ++k) {
-      const float xk = x[k];
-      const T* row = w + k * N;
-#pragma omp simd
-      for (int64_t n = 0; n < N; ++n) acc[n] += xk * load(row, n);
+    float* acc = partial.data() + t * total;
+    for (const Operand& op : ops) {
+      rows_into(x, static_cast<const T*>(op.w), acc, k0, k1, op.N);
+      acc += op.N;
     }
   });
-  std::copy(partial.begin(), partial.begin() + N, y);
-  for (int t = 1; t < threads; ++t)
-    for (int64_t n = 0; n < N; ++n) y[n] += partial[static_cast<size_t>(t) * N + n];
+  int64_t offset = 0;
+  for (const Operand& op : ops) {
+    std::copy(partial.begin() + offset, partial.begin() + offset + op.N, op.y);
+    for (int64_t t = 1; t < threads; ++t)
+      for (int64_t n = 0; n < op.N; ++n) op.y[n] += partial[t * total + offset + n];
+    offset += op.N;
+  }
 }
 
 #ifdef __AVX512F__
@@ -116,22 +139,35 @@ void dots(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K
   });
 }
 
-ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
-  const auto wd = w.dimensions();
-  if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2");
-  const int64_t K = transposed ? wd[1] : wd[0], N = transposed ? wd[0] : wd[1];
-  if (x.element_count() != static_cast<size_t>(K) || y->element_count() != static_cast<size_t>(N))
-    return ffi::Error::InvalidArgument("x, w and y sizes disagree");
+ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                      int64_t transposed) {
+  if (ws.size() == 0 || ws.size() != ys.size() || (transposed && ws.size() != 1))
+    return ffi::Error::InvalidArgument("matvec takes one result per weight (one weight when transposed)");
+  const int64_t K = static_cast<int64_t>(x.element_count());
+  std::vector<Operand> ops;
+  ffi::DataType type = ffi::DataType::F32;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matvec: a weight or result of a wrong type");
+    const auto wd = w->dimensions();
+    if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2");
+    const int64_t k = transposed ? wd[1] : wd[0], n = transposed ? wd[0] : wd[1];
+    if (k != K || (*y)->element_count() != static_cast<size_t>(n))
+      return ffi::Error::InvalidArgument("x, w and y sizes disagree");
+    if (w->element_type() != ffi::DataType::F32 && w->element_type() != ffi::DataType::BF16)
+      return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
+    if (i > 0 && w->element_type() != type) return ffi::Error::InvalidArgument("the weights must share one dtype");
+    type = w->element_type();
+    ops.push_back({w->untyped_data(), (*y)->typed_data(), n});
+  }
   const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  if (w.element_type() == ffi::DataType::F32) {
-    const float* wp = static_cast<const float*>(w.untyped_data());
-    transposed ? dots(pool, xp, wp, yp, K, N) : rows_times(pool, xp, wp, yp, K, N);
-  } else if (w.element_type() == ffi::DataType::BF16) {
-    const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());
-    transposed ? dots(pool, xp, wp, yp, K, N) : rows_times(pool, xp, wp, yp, K, N);
+  if (type == ffi::DataType::F32) {
+    transposed ? dots(pool, xp, static_cast<const float*>(ops[0].w), ops[0].y, K, ops[0].N)
+               : rows_times<float>(pool, xp, ops, K);
   } else {
-    return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
+    transposed ? dots(pool, xp, static_cast<const uint16_t*>(ops[0].w), ops[0].y, K, ops[0].N)
+               : rows_times<uint16_t>(pool, xp, ops, K);
   }
   return ffi::Error::Success();
 }
@@ -142,6 +178,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatvec, MatvecImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
-                                  .Arg<ffi::AnyBuffer>()          // w
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
+                                  .RemainingArgs()                // weights w_i
+                                  .RemainingRets()                // results y_i float32
                                   .Attr<int64_t>("transposed"));

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.models.layers import Proj
+from jaxserve.models.layers import Proj, project_together
 from kernels_pallas import native_cpu
 
 SHAPES = {   # every projection form of the Llama family: q/k/v, o, gate/up, down
@@ -68,6 +68,35 @@ def test_matvec_against_numpy(dtype, transposed, k, n):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=f"x has {k - 1} elements"):
         native_cpu.matvec(x[:-1], w, transposed=transposed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matvecs_share_one_call(dtype):
+    """One row through q/k/v-like weights of different widths in one call: each result equals its own
+    product, and the attention's projections lower to one custom call."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(96).astype(np.float32)
+    ws = [jnp.asarray(rng.standard_normal((96, n)), dtype) for n in (96, 32, 32, 50)]
+    got = jax.jit(native_cpu.matvecs)(x, ws)
+    for g, w in zip(got, ws):
+        want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-5)
+    assert jax.jit(native_cpu.matvecs).lower(x, ws).as_text().count("jaxserve_matvec") == 1
+    projs = [native_and_plain("td,dhk->thk", dtype, rows=1)[0] for _ in range(3)]
+    one_row = jnp.asarray(rng.standard_normal((1, 24)), dtype)
+    lowered = jax.jit(lambda x: project_together(projs, x)).lower(one_row).as_text()
+    assert lowered.count("jaxserve_matvec") == 1
+
+
+@pytest.mark.parametrize("ws,transposed,match", [
+    ([jnp.zeros((8, 4)), jnp.zeros((8, 4), jnp.bfloat16)], False, "one dtype"),
+    ([jnp.zeros((4, 8)), jnp.zeros((4, 8))], True, "one when transposed"),
+    ([jnp.zeros((8, 4), jnp.int32)], False, "float32 or bfloat16 matrix"),
+    ([jnp.zeros((7, 4))], False, "x has 8 elements"),
+])
+def test_matvecs_refuse_bad_operands(ws, transposed, match):
+    with pytest.raises(ValueError, match=match):
+        native_cpu.matvecs(jnp.zeros(8), ws, transposed=transposed)
 
 
 # ---- the native matmul of 2+ rows (native/gemm.cc) --------------------------------------------
