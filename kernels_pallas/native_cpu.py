@@ -39,7 +39,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc", "gemm.cc"))
-HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h"))
+HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h", "simd.h"))
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 GEMM_TARGET = "jaxserve_gemm"

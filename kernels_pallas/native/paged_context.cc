@@ -35,6 +35,7 @@
 
 #include "bits.h"
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -42,6 +43,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxserve_native::bf16_to_f32;
+#ifdef __AVX512F__
+using jaxserve_native::sum_lanes16;
+#endif
 
 inline float f16_to_f32(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu, bits;
@@ -236,26 +240,6 @@ inline __m512 fast_exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
-}
-
-// out[t] = sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree (45 shuffles and
-// adds instead of 16 horizontal reductions).
-inline __m512 sum_lanes16(const __m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  #pragma GCC unroll 16
-  for (int i = 0; i < 8; ++i)   // 128-bit lane j of a[i]: (v[2i], v[2i+1]) partial sums, interleaved
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  #pragma GCC unroll 16
-  for (int i = 0; i < 4; ++i) {  // lane j of b[i]: v[4i..4i+3], one partial sum each
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  #pragma GCC unroll 16
-  for (int i = 0; i < 2; ++i)    // fold the four 128-bit lanes pairwise
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // fold_page for pages of kBS keys (a multiple of 16) and a head dim of kD (a multiple of 16)

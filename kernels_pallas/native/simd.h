@@ -1,0 +1,31 @@
+// AVX-512 helpers shared by the native CPU kernels (built together by kernels_pallas/native_cpu.py).
+#pragma once
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+namespace jaxserve_native {
+
+// out[t] = sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree (45 shuffles and
+// adds instead of 16 horizontal reductions).
+inline __m512 sum_lanes16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  #pragma GCC unroll 16
+  for (int i = 0; i < 8; ++i)   // 128-bit lane j of a[i]: (v[2i], v[2i+1]) partial sums, interleaved
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  #pragma GCC unroll 16
+  for (int i = 0; i < 4; ++i) {  // lane j of b[i]: v[4i..4i+3], one partial sum each
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < 2; ++i)    // fold the four 128-bit lanes pairwise
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+}  // namespace jaxserve_native
+
+#endif
