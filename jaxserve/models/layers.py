@@ -55,10 +55,7 @@ class Proj(nnx.Einsum):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
-        if self.native_rows and native_matvec_ok(x, kernel):
-            y = native_cpu.matvec(x, kernel.reshape(x.size, -1)).reshape(1, *kernel.shape[x.ndim - 1:])
-            return self.finish(y, x.dtype)
-        if self.native_rows and native_gemm_ok(x, kernel):
+        if self.native_rows and (native_matvec_ok(x, kernel) or native_gemm_ok(x, kernel)):
             return project_together([self], x)[0]
         y = one_row_safe(super().__call__, x)
         return y.astype(self.dtype or x.dtype)
@@ -75,13 +72,14 @@ def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
     the native matvec (one row) or matmul: one work split instead of several small ones."""
     kernels = [p.kernel[...] for p in projs]
     rows, depth = x.shape[0], x[0].size
+    flat = [k.reshape(depth, -1) for k in kernels]
     if all(p.native_rows and native_matvec_ok(x, k) for p, k in zip(projs, kernels)) and len(set(
             k.dtype for k in kernels)) == 1:     # one row (batch-1 decode): one native matvec call
-        ys = native_cpu.matvecs(x, [k.reshape(depth, -1) for k in kernels])
-        return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
-    if not all(p.native_rows and native_gemm_ok(x, k) for p, k in zip(projs, kernels)):
+        ys = native_cpu.matvecs(x, flat)
+    elif all(p.native_rows and native_gemm_ok(x, k) for p, k in zip(projs, kernels)):
+        ys = native_cpu.matmuls(x.reshape(rows, depth), flat)
+    else:
         return [p(x) for p in projs]
-    ys = native_cpu.matmuls(x.reshape(rows, depth), [k.reshape(depth, -1) for k in kernels])
     return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
 
 

@@ -103,47 +103,6 @@ void rows_f32(int64_t kc, const float* a, int64_t lda, const float* b, int64_t l
   }
 }
 
-template <int NR>
-void pack_transposed(const void* w, bool bf16, int64_t K, int64_t k0, int64_t kc, int64_t n0, int64_t width,
-                     uint32_t* out);
-
-// Rows [m0, m1) of the panel at column n0 (width <= NR_F32), every K block; `next` (row 0 of
-// the full panel this thread likely takes next, leading dimension next_ld; or null) is
-// prefetched during the first tile. With `packed` (a [KC][NR_F32] buffer), w is [N, K] and each
-// K block of the panel is packed there first.
-void panel_f32(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
-               int64_t n0, int64_t width, const float* next_panel, int64_t next_ld, float* packed = nullptr) {
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t kc = std::min(KC, K - k0);
-    const bool acc = k0 > 0;
-    const float* b = w + k0 * N + n0;
-    int64_t ldb = N;
-    if (packed != nullptr) {
-      pack_transposed<NR_F32>(w, false, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
-      b = packed, ldb = NR_F32;
-    }
-    const bool fetch = packed == nullptr;   // a packed panel is in L1/L2 already
-    const float* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
-    int64_t m = m0;
-    for (; m + MR_F32 <= m1; m += MR_F32, next = nullptr)
-      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, ldb, y + m * N + n0, N, width, acc, fetch && m == m0, next,
-                       next_ld);
-    const float* a = x + m * K + k0;
-    float* c = y + m * N + n0;
-    const bool first = fetch && m == m0;
-    switch (m1 - m) {
-      case 1: rows_f32<1>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      case 2: rows_f32<2>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      case 3: rows_f32<3>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      case 4: rows_f32<4>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      case 5: rows_f32<5>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      case 6: rows_f32<6>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      case 7: rows_f32<7>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
-      default: break;
-    }
-  }
-}
-
 // ---- transposed weights: [N, K] rows into [k][NR] (float32) or [k pair][NR][2] (bfloat16) --
 
 // The 16 x 16 transpose of 32-bit words r[0..15] in place (unpack within lanes, then move lanes).
@@ -204,6 +163,43 @@ void pack_transposed(const void* w, bool bf16, int64_t K, int64_t k0, int64_t kc
       }
       for (int64_t c = cb; c < std::min(cb + 16, words); ++c)
         for (int64_t i = 0; i < 16; ++i) out[c * NR + nb + i] = i < rows ? word(nb + i, c) : 0;
+    }
+  }
+}
+
+// Rows [m0, m1) of the panel at column n0 (width <= NR_F32), every K block; `next` (row 0 of
+// the full panel this thread likely takes next, leading dimension next_ld; or null) is
+// prefetched during the first tile. With `packed` (a [KC][NR_F32] buffer), w is [N, K] and each
+// K block of the panel is packed there first.
+void panel_f32(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
+               int64_t n0, int64_t width, const float* next_panel, int64_t next_ld, float* packed = nullptr) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    const bool acc = k0 > 0;
+    const float* b = w + k0 * N + n0;
+    int64_t ldb = N;
+    if (packed != nullptr) {
+      pack_transposed<NR_F32>(w, false, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
+      b = packed, ldb = NR_F32;
+    }
+    const bool fetch = packed == nullptr;   // a packed panel is in L1/L2 already
+    const float* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
+    int64_t m = m0;
+    for (; m + MR_F32 <= m1; m += MR_F32, next = nullptr)
+      rows_f32<MR_F32>(kc, x + m * K + k0, K, b, ldb, y + m * N + n0, N, width, acc, fetch && m == m0, next,
+                       next_ld);
+    const float* a = x + m * K + k0;
+    float* c = y + m * N + n0;
+    const bool first = fetch && m == m0;
+    switch (m1 - m) {
+      case 1: rows_f32<1>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 2: rows_f32<2>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 3: rows_f32<3>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 4: rows_f32<4>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 5: rows_f32<5>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 6: rows_f32<6>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      case 7: rows_f32<7>(kc, a, K, b, ldb, c, N, width, acc, first, next, next_ld); break;
+      default: break;
     }
   }
 }

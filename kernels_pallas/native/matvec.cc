@@ -23,6 +23,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #ifdef __AVX512F__
+using jaxserve_native::load_bf16x16;
 using jaxserve_native::sum_lanes16;
 #endif
 
@@ -83,9 +84,7 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {   // 16 bf16 -> float32, exactly
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
 
 // 16 outputs y[n0 .. n0 + 16) of w [N, K] x for K a multiple of 16: each row's products summed
 // in one vector, the 16 vectors reduced together.

@@ -44,6 +44,8 @@ namespace {
 
 using jaxserve_native::bf16_to_f32;
 #ifdef __AVX512F__
+using jaxserve_native::bf16x16_to_f32;
+using jaxserve_native::load_bf16x16;
 using jaxserve_native::sum_lanes16;
 #endif
 
@@ -99,8 +101,7 @@ inline const float* page_rows(const void* kv, int64_t bits_dtype, int64_t page, 
 #ifdef __AVX512F__
   for (; i + 16 <= page_elems; i += 16) {   // exact conversions, 16 at a time
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(buf + i, bits_dtype == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                              : _mm512_cvtph_ps(h));
+    _mm512_storeu_ps(buf + i, bits_dtype == 1 ? bf16x16_to_f32(h) : _mm512_cvtph_ps(h));
   }
 #endif
   if (bits_dtype == 1) {
@@ -279,8 +280,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
           _mm_prefetch(nv + line * 64, _MM_HINT_T1);
         }
       }
-      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
-      _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hbits), 16)));
+      _mm512_storeu_ps(dst + 16 * i, load_bf16x16(src + 16 * i));
     }
     vpage_all = dst;
   } else {

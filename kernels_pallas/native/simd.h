@@ -4,7 +4,18 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace jaxserve_native {
+
+// 16 bfloat16 values (raw bits) -> float32, exactly: each 16-bit word becomes a float's high half.
+inline __m512 bf16x16_to_f32(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // out[t] = sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree (45 shuffles and
 // adds instead of 16 horizontal reductions).
