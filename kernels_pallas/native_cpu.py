@@ -79,12 +79,24 @@ def build(path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_lib = Path(tmp) / path.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_lib)]
+        # One compiler per source, all at once (~3.5-4 s each here), then a link (~0.05 s).
+        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        jobs = [[compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", str(obj)]
+                for src, obj in zip(SOURCES, objects)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in jobs]
+        errors = [proc.communicate()[1] for proc in procs]   # every one finished before any is judged
+        for cmd, proc, stderr in zip(jobs, procs, errors):
+            _check(cmd, proc.returncode, stderr)
+        cmd = [compiler, *_FLAGS, *map(str, objects), "-o", str(tmp_lib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        _check(cmd, proc.returncode, proc.stderr)
         os.replace(tmp_lib, path)   # atomic: concurrent builders never see half a library
     return path
+
+
+def _check(cmd: list[str], returncode: int, stderr: str) -> None:
+    if returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-2000:]}")
 
 
 _LOCK = threading.Lock()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from jaxserve.engine.weights import checked_update, flat_params, path_name
 from jaxserve.models import ModelConfig, get_model_class, load_weights
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
+from kernels_pallas import native_cpu
 from kernels_pallas import resolve_attention_backend as backend_for_platform
 from kernels_pallas.self_check import STARTUP_CHECKED, KernelSelfCheckError, self_check
 from sharding.distributed import initialize as initialize_distributed
@@ -174,6 +176,10 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
     t0 = time.perf_counter()
     if config.num_processes > 1:   # before anything touches a device
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+    if jax.devices()[0].platform == "cpu":
+        # The native kernels compile (~7 s on a new machine, then cached) while the checkpoint
+        # loads; the first step traced waits for them.
+        threading.Thread(target=native_cpu.available, daemon=True, name="jaxserve-native-build").start()
     if config.dtype == "auto":   # first: the backend's self-check runs in the dtype the engine will use
         config = dataclasses.replace(config, dtype=resolve_dtype("auto", jax.devices()[0].platform))
         logger.info("dtype auto: %s on %s", config.dtype, jax.devices()[0].device_kind)

@@ -79,6 +79,14 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
     return buckets + [max_num_batched_tokens]
 
 
+def first_buckets(buckets: list[int], up_to: int) -> list[int]:
+    """The buckets compiled before serving: of those up to `up_to` tokens, every second one
+    counted down from the largest, and the smallest (1..64 -> 1, 4, 16, 64). Until the gaps
+    compile, a step pads to less than 4x its tokens instead of 2x."""
+    small = [b for b in buckets if b <= up_to] or buckets[:1]
+    return sorted({*small[::-2], small[0]})
+
+
 def pick_bucket(n: int, buckets: list[int]) -> int:
     for b in buckets:
         if n <= b:

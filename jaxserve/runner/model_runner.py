@@ -38,9 +38,9 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.inputs import (PromptLogprobsInputs, RequestState, StepInputs, num_prompt_logprob_positions,
-                                    num_seqs_for_bucket, pick_bucket, prepare_inputs, prepare_prompt_logprobs,
-                                    token_buckets)
+from jaxserve.runner.inputs import (PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
+                                    num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket, prepare_inputs,
+                                    prepare_prompt_logprobs, token_buckets)
 from jaxserve.runner.sampler import fast_top_k, sample
 from kernels_pallas import kv_pool_dtype
 from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
@@ -184,6 +184,7 @@ class ModelRunner:
         self._prompt_logprobs_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
         self.ready_budget: int | None = None                     # while warm-up runs on: the largest bucket ready
+        self.ready_buckets: tuple[int, ...] = tuple(self.buckets)  # the buckets a step may pick (all once warm)
         self.compiling = False                                   # a compile inside a step is running
         self.last_compile_end = 0.0                              # monotonic end of the last such compile
 
@@ -311,20 +312,19 @@ class ModelRunner:
     def warmup(self, max_workers: int = 2, *, background_after: int = 0) -> None:
         """Compile the step for the token buckets, ahead of time and in parallel (XLA releases the GIL).
 
-        With `background_after` > 0, only the buckets up to that many tokens (at least the
-        smallest) are compiled before this returns; the rest compile on a background thread,
-        smallest first, and `ready_budget` says the largest usable so far (the engine caps its
-        step's token budget there, so no step ever waits for a compile).
+        With `background_after` > 0, only `first_buckets(...)` (every second bucket up to that
+        many tokens, and the smallest) are compiled before this returns; the rest compile on a
+        background thread, smallest first. Meanwhile a step pads to the smallest ready bucket
+        (`ready_buckets`) and `ready_budget` says the largest (the engine caps its step's token
+        budget there), so no step ever waits for a compile.
         """
-        now = list(self.buckets)
-        if background_after:
-            now = [b for b in self.buckets if b <= background_after] or self.buckets[:1]
+        now = first_buckets(self.buckets, background_after) if background_after else list(self.buckets)
         keys = [key for bucket in now for key in self._variants(bucket)]
         with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
             for key, exe in zip(keys, pool.map(self._compile, keys)):
                 self._executables[key] = exe
         later = [b for b in self.buckets if b not in now]
-        self.ready_budget = None if not later else now[-1]
+        self._mark_ready(now)
         logger.info("warm-up compiled the step for token buckets %s%s", now,
                     f"; {later} compile in the background" if later else "")
         if later:
@@ -335,6 +335,12 @@ class ModelRunner:
             # A process that exits while XLA compiles on a daemon thread aborts: stop after the
             # bucket in progress and wait for it.
             atexit.register(self._end_background)
+
+    def _mark_ready(self, ready: list[int]) -> None:
+        """Publish the compiled buckets to the step (one assignment each: the step thread reads them)."""
+        ready = sorted(ready)
+        self.ready_buckets = tuple(ready)
+        self.ready_budget = None if len(ready) == len(self.buckets) else ready[-1]
 
     def _end_background(self) -> None:
         self._stop_background = True
@@ -348,9 +354,9 @@ class ModelRunner:
                     if self._stop_background:
                         return
                     self._executables[key] = self._compile(key)
-                self.ready_budget = bucket if bucket != self.buckets[-1] else None
+                self._mark_ready([*self.ready_buckets, bucket])
         except Exception:  # noqa: BLE001 - the engine keeps serving within the buckets it has
-            logger.exception("background compile failed; the step's budget stays at %s tokens", self.ready_budget)
+            logger.exception("background compile failed; steps keep to token buckets %s", list(self.ready_buckets))
             return
         logger.info("background warm-up compiled token buckets %s in %.1f s: every bucket is ready", buckets,
                     time.perf_counter() - t0)
@@ -423,7 +429,7 @@ class ModelRunner:
         scheduled = [(self.states[req_id], n) for req_id, n in so.num_scheduled_tokens.items()]
         if not scheduled:
             return _Launched(scheduled, None)
-        bucket = pick_bucket(so.total_num_scheduled_tokens, self.buckets)
+        bucket = pick_bucket(so.total_num_scheduled_tokens, self.ready_buckets)
         if len(scheduled) > num_seqs_for_bucket(bucket, self.max_num_seqs):
             raise ValueError(f"{len(scheduled)} sequences exceed max_num_seqs={self.max_num_seqs}")
         drafts = so.scheduled_spec_decode_tokens

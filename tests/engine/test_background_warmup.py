@@ -29,3 +29,33 @@ def test_background_warmup_serves_at_once_with_the_same_tokens_and_no_late_compi
     assert runner.compiles_after_warmup == 0
     want = [o.outputs[0].token_ids for o in LLM(path, **OPTIONS).generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_first_buckets_are_every_second_one_and_the_smallest():
+    from jaxserve.runner.inputs import first_buckets, token_buckets
+    assert first_buckets(token_buckets(512), 64) == [1, 4, 16, 64]
+    assert first_buckets(token_buckets(512), 32) == [1, 2, 8, 32]
+    assert first_buckets([4, 16, 64], 4) == [4]
+    assert first_buckets([4, 16, 64], 2) == [4]          # below the smallest: the smallest
+    assert first_buckets([8, 512], 100) == [8]
+
+
+def test_a_step_pads_to_a_ready_bucket_while_the_gaps_compile(tiny_models):
+    """Steps of 5-8 tokens pad to 16 while bucket 8 is missing: no compile inside a step, same tokens."""
+    path = str(tiny_models["llama"])
+    options = {**OPTIONS, "token_buckets": (2, 4, 8, 16, 64)}
+    llm = LLM(path, background_warmup_after=16, **options)
+    runner = llm.engine.runner
+    assert runner.wait_for_warmup(120) and runner.ready_buckets == (2, 4, 8, 16, 64)
+    # Back to the state just after start-up, as if bucket 8 and 64 were still compiling.
+    for key in [k for k in runner._executables if k[0] in (8, 64)]:
+        del runner._executables[key]
+    runner._mark_ready([2, 4, 16])
+    assert runner.ready_budget == 16
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [17, 18], [19]]   # then 6 decodes a step
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runner.compiles_after_warmup == 0
+    assert {k[0] for k in runner._executables} == {2, 4, 16}
+    want = [o.outputs[0].token_ids for o in LLM(path, **options).generate(prompts, params, use_tqdm=False)]
+    assert got == want
