@@ -79,12 +79,19 @@ def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
     return buckets + [max_num_batched_tokens]
 
 
+# Below this many tokens a step costs about the same whatever its size (it streams the
+# weights once; on these CPUs compute catches up at ~16 rows in bfloat16, later on GPUs).
+_CHEAP_TOKENS = 16
+
+
 def first_buckets(buckets: list[int], up_to: int) -> list[int]:
-    """The buckets compiled before serving: of those up to `up_to` tokens, every second one
-    counted down from the largest, and the smallest (1..64 -> 1, 4, 16, 64). Until the gaps
-    compile, a step pads to less than 4x its tokens instead of 2x."""
+    """The buckets compiled before serving, of those up to `up_to` tokens: the smallest, the
+    first with at least 16 tokens, and every second one counted down from the largest above
+    that (1..64 -> 1, 16, 64; 1..512 -> 1, 16, 32, 128, 512). Until the others compile, a
+    step pads to the next of these: under 4x its tokens above 16, up to 16 tokens below."""
     small = [b for b in buckets if b <= up_to] or buckets[:1]
-    return sorted({*small[::-2], small[0]})
+    cheap = next((b for b in small if b >= _CHEAP_TOKENS), small[-1])
+    return sorted({small[0], cheap, *(b for b in small[::-2] if b > cheap)})
 
 
 def pick_bucket(n: int, buckets: list[int]) -> int:

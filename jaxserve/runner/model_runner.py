@@ -312,8 +312,8 @@ class ModelRunner:
     def warmup(self, max_workers: int = 2, *, background_after: int = 0) -> None:
         """Compile the step for the token buckets, ahead of time and in parallel (XLA releases the GIL).
 
-        With `background_after` > 0, only `first_buckets(...)` (every second bucket up to that
-        many tokens, and the smallest) are compiled before this returns; the rest compile on a
+        With `background_after` > 0, only `first_buckets(...)` (a few of the buckets up to that
+        many tokens: 1, 16 and 64 of 1..64) are compiled before this returns; the rest compile on a
         background thread, smallest first. Meanwhile a step pads to the smallest ready bucket
         (`ready_buckets`) and `ready_budget` says the largest (the engine caps its step's token
         budget there), so no step ever waits for a compile.

@@ -31,12 +31,15 @@ def test_background_warmup_serves_at_once_with_the_same_tokens_and_no_late_compi
     assert got == want
 
 
-def test_first_buckets_are_every_second_one_and_the_smallest():
+def test_first_buckets_are_the_smallest_the_first_of_16_and_every_second_one_above():
     from jaxserve.runner.inputs import first_buckets, token_buckets
-    assert first_buckets(token_buckets(512), 64) == [1, 4, 16, 64]
-    assert first_buckets(token_buckets(512), 32) == [1, 2, 8, 32]
+    assert first_buckets(token_buckets(512), 64) == [1, 16, 64]
+    assert first_buckets(token_buckets(512), 512) == [1, 16, 32, 128, 512]
+    assert first_buckets(token_buckets(512), 32) == [1, 16, 32]
+    assert first_buckets(token_buckets(512), 8) == [1, 8]   # the largest small one, even under 16
+    assert first_buckets([1, 24, 48, 96], 96) == [1, 24, 96]
     assert first_buckets([4, 16, 64], 4) == [4]
-    assert first_buckets([4, 16, 64], 2) == [4]          # below the smallest: the smallest
+    assert first_buckets([4, 16, 64], 2) == [4]             # below the smallest: the smallest
     assert first_buckets([8, 512], 100) == [8]
 
 
@@ -46,6 +49,7 @@ def test_a_step_pads_to_a_ready_bucket_while_the_gaps_compile(tiny_models):
     options = {**OPTIONS, "token_buckets": (2, 4, 8, 16, 64)}
     llm = LLM(path, background_warmup_after=16, **options)
     runner = llm.engine.runner
+    assert runner.ready_buckets[0] == 2 and 16 in runner.ready_buckets
     assert runner.wait_for_warmup(120) and runner.ready_buckets == (2, 4, 8, 16, 64)
     # Back to the state just after start-up, as if bucket 8 and 64 were still compiling.
     for key in [k for k in runner._executables if k[0] in (8, 64)]:
