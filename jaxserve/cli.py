@@ -274,6 +274,12 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.num_processes == 1:   # (a multi-process engine touches no device before it joins the others)
+        import jax
+
+        from kernels_pallas import native_cpu
+        if jax.default_backend() == "cpu":
+            native_cpu.build_in_background()   # while the server's modules import (~0.8 s)
     from server.app import serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -112,6 +112,13 @@ def available() -> bool:
 
 
 @functools.cache
+def build_in_background() -> None:
+    """Start `available()` on a daemon thread (once a process): the kernels compile (~7 s on a
+    new machine, then cached) while the caller loads a model; the first step traced waits."""
+    threading.Thread(target=available, daemon=True, name="jaxserve-native-build").start()
+
+
+@functools.cache
 def _load() -> ctypes.CDLL | None:
     """The built library with its targets registered, or None (after one warning)."""
     try:

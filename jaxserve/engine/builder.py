@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -193,9 +192,7 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
     if config.num_processes > 1:   # before anything touches a device
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     if jax.devices()[0].platform == "cpu":
-        # The native kernels compile (~7 s on a new machine, then cached) while the checkpoint
-        # loads; the first step traced waits for them.
-        threading.Thread(target=native_cpu.available, daemon=True, name="jaxserve-native-build").start()
+        native_cpu.build_in_background()   # compiles while the checkpoint loads
     if config.dtype == "auto":   # first: the backend's self-check runs in the dtype the engine will use
         config = dataclasses.replace(config, dtype=resolve_dtype("auto", jax.devices()[0].platform))
         logger.info("dtype auto: %s on %s", config.dtype, jax.devices()[0].device_kind)
