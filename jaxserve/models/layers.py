@@ -163,11 +163,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE of x [T, heads, head_dim] at absolute positions [T]."""
+    """Rotate-half RoPE of x [T, heads, head_dim] at absolute positions [T].
+
+    cos and sin are taken of the head_dim // 2 frequencies and then doubled (the same values
+    as of the doubled frequencies). Taken of the doubled ones, a float32 model's cos fed every
+    layer's RoPE loop directly, and XLA fused it into each of them, evaluating sincos per
+    head of every layer (3% of a float32 prefill step's CPU time). Now XLA computes them once.
+    """
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, head_dim // 2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)                         # [T, head_dim]
-    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]                         # [T, 1, head_dim]
-    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]                         # [T, 1, head_dim]
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    cos = jnp.concatenate([cos, cos], axis=-1).astype(x.dtype)[:, None, :]  # [T, 1, head_dim]
+    sin = jnp.concatenate([sin, sin], axis=-1).astype(x.dtype)[:, None, :]  # [T, 1, head_dim]
     x1, x2 = jnp.split(x, 2, axis=-1)                                      # [T, heads, head_dim // 2] each
     rotated = jnp.concatenate([-x2, x1], axis=-1)                          # [T, heads, head_dim]
     return x * cos + rotated * sin
