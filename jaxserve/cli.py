@@ -274,14 +274,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.num_processes == 1:   # (a multi-process engine touches no device before it joins the others)
-        import jax
-
-        from kernels_pallas import native_cpu
-        if jax.default_backend() == "cpu":
-            native_cpu.build_in_background()   # while the server's modules import (~0.8 s)
-    from server.app import serve
-
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"(one of: {', '.join(sorted(TOOL_PARSERS))})")
@@ -293,9 +285,18 @@ def _serve(args: argparse.Namespace) -> int:
                          "instances over gRPC, and consumers pull KV blocks from the producer's gRPC server")
     if args.process_id != 0:
         return _follow(engine_config(args))
+    config = engine_config(args)
     limits = RequestLimits(max_logprobs=args.max_logprobs, **{
         f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits) if f.name != "max_logprobs"})
-    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
+    if args.num_processes == 1:   # (a multi-process engine touches no device before it joins the others)
+        import jax
+
+        from kernels_pallas import native_cpu
+        if jax.default_backend() == "cpu":
+            native_cpu.build_in_background()   # while the server's modules import (~0.8 s)
+    from server.app import serve
+
+    return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  max_num_queued_requests=args.max_num_queued_requests,
                  max_request_body_bytes=args.max_request_body_bytes, limits=limits,
                  step_timeout_s=args.step_timeout_s, enable_docs=args.enable_docs,

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -44,6 +45,7 @@ TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 GEMM_TARGET = "jaxserve_gemm"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
+_STALE_BUILD_SECONDS = 600   # a build folder this old belongs to a process that is gone
 _BITS = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}
 
 
@@ -77,7 +79,8 @@ def build(path: Path | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    _remove_stale_builds(path.parent)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as tmp:
         tmp_lib = Path(tmp) / path.name
         # One compiler per source, all at once (~3.5-4 s each here), then a link (~0.05 s).
         objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
@@ -92,6 +95,17 @@ def build(path: Path | None = None) -> Path:
         _check(cmd, proc.returncode, proc.stderr)
         os.replace(tmp_lib, path)   # atomic: concurrent builders never see half a library
     return path
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Remove the build folders of processes that exited mid-build (the build runs on a daemon
+    thread, so a start-up that fails meanwhile leaves its folder); a build takes seconds."""
+    for stale in folder.glob(".build-*"):
+        try:
+            if time.time() - stale.stat().st_mtime > _STALE_BUILD_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass  # removed meanwhile by another process
 
 
 def _check(cmd: list[str], returncode: int, stderr: str) -> None:

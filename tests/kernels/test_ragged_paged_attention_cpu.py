@@ -134,6 +134,26 @@ def test_native_kernel_builds_here():
     assert native_cpu.build().exists()
 
 
+def test_a_failing_compiler_is_named_and_leaves_no_build_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")   # a "compiler" that fails every source
+    with pytest.raises(RuntimeError, match="false .*-c .*paged_context.cc.* failed"):
+        native_cpu.build(tmp_path / "kernels.so")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_folders_of_gone_processes_are_removed(tmp_path):
+    import os
+    import time
+    stale, fresh = tmp_path / ".build-stale", tmp_path / ".build-fresh"
+    for folder in (stale, fresh):
+        folder.mkdir()
+        (folder / "matvec.o").write_bytes(b"half")
+    old = time.time() - 2 * native_cpu._STALE_BUILD_SECONDS
+    os.utime(stale, (old, old))
+    native_cpu._remove_stale_builds(tmp_path)
+    assert not stale.exists() and fresh.exists()   # a build still running elsewhere keeps its folder
+
+
 @pytest.mark.parametrize("native", [NATIVE, JNP])
 @pytest.mark.parametrize("ctx", [1, 4, 17])
 def test_one_token_step(ctx, native):
