@@ -183,7 +183,6 @@ class ModelRunner:
         # compile of the step: it is not part of warm-up, so compiles_after_warmup leaves it out)
         self._prompt_logprobs_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
-        self.ready_budget: int | None = None                     # while warm-up runs on: the largest bucket ready
         self.ready_buckets: tuple[int, ...] = tuple(self.buckets)  # the buckets a step may pick (all once warm)
         self.compiling = False                                   # a compile inside a step is running
         self.last_compile_end = 0.0                              # monotonic end of the last such compile
@@ -337,10 +336,14 @@ class ModelRunner:
             atexit.register(self._end_background)
 
     def _mark_ready(self, ready: list[int]) -> None:
-        """Publish the compiled buckets to the step (one assignment each: the step thread reads them)."""
-        ready = sorted(ready)
-        self.ready_buckets = tuple(ready)
-        self.ready_budget = None if len(ready) == len(self.buckets) else ready[-1]
+        """Publish the compiled buckets to the step (one assignment: the step thread reads them)."""
+        self.ready_buckets = tuple(sorted(ready))
+
+    @property
+    def ready_budget(self) -> int | None:
+        """While warm-up runs on: the largest bucket ready (the step's budget cap); None once all are."""
+        ready = self.ready_buckets
+        return None if len(ready) == len(self.buckets) else ready[-1]
 
     def _end_background(self) -> None:
         self._stop_background = True
