@@ -148,6 +148,15 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+def lane_block_pages() -> int:
+    """16-row blocks times pages the attention kernel has folded with rows in lanes (shared pages,
+    prefill blocks) since it loaded: how the tests see that path ran. Call `available()` first."""
+    lib = _load()
+    fn = lib.JaxserveLaneBlockPages
+    fn.restype = ctypes.c_int64
+    return int(fn())
+
+
 def gemm_available() -> bool:
     """True when `matmul` can run here: the kernels loaded and were built with AVX-512 BF16."""
     return available() and bool(_load().JaxserveGemmSupported())
@@ -166,14 +175,18 @@ def prefill_enabled() -> bool:
 
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                          bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None,
-                         q_bf16: bool = False):
+                         q_bf16: bool = False, min_lane_fill: int | None = None):
     """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
     included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
     `qs` [T, QH, D] float32 queries already scaled by sm_scale; `kv_cache` float32, or uint16
     holding `bits_dtype` bits. `q_bf16`: the caller vouches that every value of `qs` is a
     bfloat16 exactly (a bf16 model's q times a power-of-two scale); then the scores against a
-    bf16 pool come from the CPU's bf16 dot products on the K pages as they lie. Returns (out
+    bf16 pool come from the CPU's bf16 dot products on the K pages as they lie. `min_lane_fill`:
+    runs of a group that share pool pages (a prefix; a prefill block's rows share every page)
+    fold those pages 16 query rows at a time when their rows fill the 16-row blocks with at
+    least this many on average; 0 never. The numbers are the same either way (None:
+    `MIN_LANE_FILL`, or JAXSERVE_MIN_LANE_FILL when set, read at trace time). Returns (out
     [T, QH, D], lse [T, QH]) float32; rows of other sequences are (0, -inf). Call `available()` first.
     """
     num_tokens, num_q_heads, head_dim = qs.shape
@@ -187,7 +200,18 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                q_bf16=np.int64(bool(q_bf16)))
+                q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(_min_lane_fill(min_lane_fill)))
+
+
+MIN_LANE_FILL = 10   # fewer rows per 16-row block fold faster one by one (benchmarks/RESULTS.md)
+
+
+def _min_lane_fill(value: int | None) -> int:
+    if value is None:
+        value = int(os.environ.get("JAXSERVE_MIN_LANE_FILL", MIN_LANE_FILL))
+    if not 0 <= value <= 16:
+        raise ValueError(f"min_lane_fill must be in 0..16 (rows per 16-row block; 0: never), got {value}")
+    return value
 
 
 def matvec(x, w, *, transposed: bool = False):

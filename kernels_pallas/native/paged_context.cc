@@ -25,6 +25,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,6 +69,9 @@ inline float f16_to_f32(uint16_t h) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+// 16-row blocks times pages folded by `fold_lanes16` since the library loaded (for the tests).
+std::atomic<int64_t> lane_block_pages{0};
 
 // A finite stand-in for -inf: masked scores and empty rows (exp of it underflows to 0).
 constexpr float kMasked = -1e30f;
@@ -123,28 +127,50 @@ struct Problem {
   int64_t T, QH, D, KVH, NB, BS, MB, G, bits_dtype, sliding_window;
   float soft_cap;
   bool q_bf16;              // q holds bfloat16 values exactly
+  int64_t min_lane_fill;    // fold shared pages 16 rows at a time when that fills lanes this well (0: never)
 };
 
-constexpr int64_t kSeqGroup = 8;     // short runs walked page by page together (see `attend`)
+constexpr int64_t kSeqGroup = 16;    // short runs walked page by page together (see `attend`)
 constexpr int64_t kQueryBlock = 16;  // longer runs are cut into blocks of this many queries, one item each
 
 struct Segment {  // queries j0 .. j0 + nq - 1 of sequence s's run in this step
   int64_t s, j0, nq;
 };
 
+// Up to 16 query rows of a group, one per lane, folded together over the pages all their runs
+// share (a shared prefix; every full page of a prefill block): each K and V value loaded
+// serves 16 rows, and the online softmax runs lane-wise, with no lane-sum tree of the scores.
+struct LaneBlock {
+  float *q, *acc, *m, *l;        // [D][16] scaled queries, [D][16] output, [16] max, [16] sum
+  alignas(64) int32_t pos[16];   // the lanes' query positions (-1: no row)
+  int64_t run[16], row[16];      // where each lane's row lives in the group
+  int64_t lanes;
+};
+
 struct Scratch {  // per thread, kept between calls
   std::vector<float> kbuf, vbuf, m, l, acc, scores;
+  std::vector<float> lanes;        // rows folded 16 at a time (`fold_lanes16`): per block q, acc, m, l
+  std::vector<LaneBlock> blocks;
   Scratch(const Problem& pr, int64_t max_rows)
       : kbuf(pr.BS * pr.D), vbuf(pr.BS * pr.D), m(kSeqGroup * max_rows), l(kSeqGroup * max_rows),
-        acc(kSeqGroup * max_rows * pr.D), scores(pr.BS) {}
+        acc(kSeqGroup * max_rows * pr.D), scores(pr.BS), lanes(lane_blocks(max_rows) * lane_floats(pr) + 16),
+        blocks(lane_blocks(max_rows)) {}
+  static int64_t lane_floats(const Problem& pr) { return 16 * (2 * pr.D + 2); }   // one block's, 64-byte multiple
+  float* lane_block(const Problem& pr, int64_t bi) {   // 64-byte aligned
+    const auto base = (reinterpret_cast<uintptr_t>(lanes.data()) + 63) & ~uintptr_t{63};
+    return reinterpret_cast<float*>(base) + bi * lane_floats(pr);
+  }
+  static int64_t lane_blocks(int64_t max_rows) { return (kSeqGroup * max_rows + 15) / 16; }
   bool fits(const Problem& pr, int64_t max_rows) const {
     return kbuf.size() >= static_cast<size_t>(pr.BS * pr.D) && m.size() >= static_cast<size_t>(kSeqGroup * max_rows) &&
-           acc.size() >= static_cast<size_t>(kSeqGroup * max_rows * pr.D) && scores.size() >= static_cast<size_t>(pr.BS);
+           acc.size() >= static_cast<size_t>(kSeqGroup * max_rows * pr.D) && scores.size() >= static_cast<size_t>(pr.BS) &&
+           lanes.size() >= static_cast<size_t>(lane_blocks(max_rows) * lane_floats(pr) + 16);
   }
 };
 
 struct Run {  // one sequence's query rows in a group
   int64_t s, start, q_len, rows, pos0, limit, first_page, last_page;
+  int64_t next_page;   // the first page not yet folded into its rows
   float *m, *l, *acc;  // online-softmax state of its rows, in the thread's scratch
 };
 
@@ -241,6 +267,31 @@ inline __m512 fast_exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+inline float exp_lane0(float x) { return _mm512_cvtss_f32(fast_exp16(_mm512_set1_ps(x))); }
+
+// The rows folded 16 keys at a time by `fold_page16` (keys in lanes) and 16 rows at a time by
+// `fold_lanes16` (rows in lanes) go through the same operations in the same order, so a row's
+// result does not depend on which path took it (nor on which runs shared its group). The two
+// sums that order matters for are spelled out here in both layouts.
+
+// Sum of e's 16 lanes: lanes i + 8, then i + 4, i + 2, i + 1.
+inline float sum16(__m512 e) {
+  const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(e), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
+  const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+
+// sum16 lane by lane: lane i of the result sums lane i of e[0..15] in sum16's order.
+inline __m512 sum16_vertical(const __m512 e[16]) {
+  __m512 a[8], b[4];
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_add_ps(e[i], e[i + 8]);
+  #pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) b[i] = _mm512_add_ps(a[i], a[i + 4]);
+  return _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]));
 }
 
 // fold_page for pages of kBS keys (a multiple of 16) and a head dim of kD (a multiple of 16)
@@ -348,7 +399,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       const float m_old = run.m[r], m_new = std::max(m_old, page_max);
       // an unchanged max (most pages after the first few) rescales by exactly 1: skipped
       const bool same_max = m_new == m_old;
-      const float alpha = m_old == kMasked ? 0.0f : same_max ? 1.0f : fast_exp(m_old - m_new);
+      const float alpha = m_old == kMasked ? 0.0f : same_max ? 1.0f : exp_lane0(m_old - m_new);
       const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
       _mm512_store_ps(weights, e);
       float* a = run.acc + r * D;
@@ -363,8 +414,190 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       }
       #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, acc[v]);
-      run.l[r] = run.l[r] * alpha + _mm512_reduce_add_ps(e);
+      run.l[r] = std::fma(run.l[r], alpha, sum16(e));
       run.m[r] = m_new;
+    }
+  }
+}
+
+// Folds 16 full keys (k, v: [16][kD] float32 rows, from key0 on) into block b's rows. Each row's
+// scores take fold_page16's order: a fused multiply-add chain per d mod 16 over the head dim's
+// vectors, then sum_lanes16's tree over the 16 partial sums.
+template <int64_t kD>
+void fold_lanes16(const Problem& pr, LaneBlock& b, const float* k, const float* v, int64_t key0) {
+  constexpr int NV = static_cast<int>(kD / 16);
+  const float* q = b.q;
+  __m512 s[16];
+  for (int t0 = 0; t0 < 16; t0 += 4) {   // 4 keys at a time: each q vector loaded serves 4 keys
+    __m512 c0[4], b2[4];
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {         // lanes 4j .. 4j + 3 of sum_lanes16's 128-bit lane j
+      __m512 p[4][4];
+      #pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const int l = 4 * j + u;
+        #pragma GCC unroll 4
+        for (int kk = 0; kk < 4; ++kk)
+          p[u][kk] = _mm512_mul_ps(_mm512_load_ps(q + 16 * l), _mm512_set1_ps(k[(t0 + kk) * kD + l]));
+        #pragma GCC unroll 8
+        for (int w = 1; w < NV; ++w) {
+          #pragma GCC unroll 4
+          for (int kk = 0; kk < 4; ++kk)
+            p[u][kk] = _mm512_fmadd_ps(_mm512_load_ps(q + 16 * (16 * w + l)), _mm512_set1_ps(k[(t0 + kk) * kD + 16 * w + l]),
+                                       p[u][kk]);
+        }
+      }
+      #pragma GCC unroll 4
+      for (int kk = 0; kk < 4; ++kk) {
+        const __m512 bj = _mm512_add_ps(_mm512_add_ps(p[0][kk], p[2][kk]), _mm512_add_ps(p[1][kk], p[3][kk]));
+        if (j == 0) c0[kk] = bj;
+        else if (j == 1) c0[kk] = _mm512_add_ps(c0[kk], bj);
+        else if (j == 2) b2[kk] = bj;
+        else s[t0 + kk] = _mm512_add_ps(c0[kk], _mm512_add_ps(b2[kk], bj));
+      }
+    }
+  }
+  const __m512i pos = _mm512_load_si512(b.pos);
+  const __m512i window_lo = _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(pr.sliding_window)));
+  const __m512 masked = _mm512_set1_ps(kMasked);
+  __mmask16 valid[16];
+  __m512 page_max = masked;
+  #pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
+    valid[t] = _mm512_cmple_epi32_mask(key, pos);
+    if (pr.sliding_window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
+    page_max = _mm512_mask_max_ps(page_max, valid[t], page_max, s[t]);
+  }
+  const __m512 m_old = _mm512_load_ps(b.m), m_new = _mm512_max_ps(m_old, page_max);
+  // fold_page16's alpha: 0 for a row's first visible keys, 1 while its max holds, else exp(m_old - m_new)
+  __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ),
+                                    fast_exp16(_mm512_sub_ps(m_old, m_new)));
+  alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(m_old, masked, _CMP_EQ_OQ), _mm512_setzero_ps());
+  __m512 e[16];
+  #pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) e[t] = _mm512_maskz_mov_ps(valid[t], fast_exp16(_mm512_sub_ps(s[t], m_new)));
+  _mm512_store_ps(b.l, _mm512_fmadd_ps(_mm512_load_ps(b.l), alpha, sum16_vertical(e)));
+  _mm512_store_ps(b.m, m_new);
+  for (int64_t d = 0; d < kD; d += 4) {   // 4 independent chains over the 16 keys
+    __m512 a[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_mul_ps(_mm512_load_ps(b.acc + 16 * (d + i)), alpha);
+    #pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(e[t], _mm512_set1_ps(v[t * kD + d + i]), a[i]);
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) _mm512_store_ps(b.acc + 16 * (d + i), a[i]);
+  }
+}
+#endif
+
+#ifdef __AVX512F__
+// Folds the pages that several of the group's runs read whole from the same pool blocks (a
+// shared prefix; every full page of a prefill block) for all their rows 16 at a time
+// (`fold_lanes16`), and moves those runs' `next_page` past them; `fold_page16` takes the rest.
+// The runs taken: those that share their first pages with the group's most common first block,
+// as many and as far as gives the most row-pages, where their rows fill the 16-row blocks with
+// at least `min_lane_fill` rows on average (below that, rows one by one are faster). Only where
+// it gives fold_page16's numbers: float32 scores (no soft cap, no bf16 dot products).
+template <int64_t kBS, int64_t kD>
+void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) {
+#ifdef __AVX512BF16__
+  const bool bf16_scores = pr.q_bf16 && pr.bits_dtype == 1 && kD % 32 == 0;
+#else
+  const bool bf16_scores = false;
+#endif
+  if (pr.min_lane_fill <= 0 || n == 0 || pr.soft_cap > 0.0f || bf16_scores) return;
+  auto table = [&](const Run& run, int64_t p) { return pr.tables[run.s * pr.MB + p]; };
+  // the anchor: a run whose first page's block starts the most runs
+  int64_t anchor = 0, most = 0;
+  for (int64_t a = 0; a < n; ++a) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i)
+      count += runs[i].first_page == runs[a].first_page && table(runs[i], runs[i].first_page) == table(runs[a], runs[a].first_page);
+    if (count > most) { most = count; anchor = a; }
+  }
+  const int64_t lo = runs[anchor].first_page;
+  int64_t shared[kSeqGroup];   // pages from lo each run reads whole from the anchor's blocks
+  for (int64_t i = 0; i < n; ++i) {
+    const Run& run = runs[i];
+    int64_t p = lo;
+    if (run.first_page == lo)
+      while (p < run.last_page && p < runs[anchor].last_page && (p + 1) * kBS <= run.limit &&
+             table(run, p) == table(runs[anchor], p))
+        ++p;
+    shared[i] = p - lo;
+  }
+  int64_t best_pages = 0, best_score = 0;
+  for (int64_t c = 0; c < n; ++c) {   // candidate: fold the first shared[c] pages of the runs sharing that many
+    const int64_t pages = shared[c];
+    int64_t rows = 0;
+    for (int64_t i = 0; i < n; ++i) rows += shared[i] >= pages ? runs[i].rows : 0;
+    if (pages == 0 || rows < pr.min_lane_fill * ((rows + 15) / 16)) continue;
+    if (rows * pages > best_score) { best_score = rows * pages; best_pages = pages; }
+  }
+  if (best_pages == 0) return;
+  const int64_t end = lo + best_pages;
+  int64_t rows = 0;
+  for (int64_t i = 0; i < n; ++i) rows += shared[i] >= best_pages ? runs[i].rows : 0;
+  if ((rows + 15) / 16 > static_cast<int64_t>(w.blocks.size())) return;
+  const int64_t QH = pr.QH, G = pr.G, num_blocks = (rows + 15) / 16;
+  LaneBlock* blocks = w.blocks.data();
+  for (int64_t bi = 0, i = 0, r = 0; bi < num_blocks; ++bi) {
+    LaneBlock& b = blocks[bi];
+    b.q = w.lane_block(pr, bi);
+    b.acc = b.q + 16 * kD;
+    b.m = b.acc + 16 * kD;
+    b.l = b.m + 16;
+    std::fill(b.q, b.q + 16 * kD, 0.0f);
+    std::fill(b.acc, b.acc + 16 * kD, 0.0f);
+    std::fill(b.m, b.m + 16, kMasked);
+    std::fill(b.l, b.l + 16, 0.0f);
+    b.lanes = 0;
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      b.pos[lane] = -1;   // no key is at or before it: an empty lane sees nothing
+      while (i < n && shared[i] < best_pages) ++i;   // a run not taken
+      if (i == n) continue;
+      const Run& run = runs[i];
+      const int64_t j = r / G, g = r % G;
+      const float* qrow = pr.q + ((run.start + j) * QH + h * G + g) * kD;
+      for (int64_t d = 0; d < kD; ++d) b.q[d * 16 + lane] = qrow[d];
+      b.pos[lane] = static_cast<int32_t>(run.pos0 + j);
+      b.run[lane] = i;
+      b.row[lane] = r;
+      b.lanes = lane + 1;
+      if (++r == run.rows) { r = 0; ++i; }
+    }
+  }
+  const int64_t page_elems = kBS * kD, page_bytes = page_elems * (pr.bits_dtype ? 2 : 4);
+  const char* base = static_cast<const char*>(pr.kv);
+  for (int64_t p = lo; p < end; ++p) {
+    if (p + 1 < end) {   // the next pages into L2 while this one computes
+      const char* nk = base + pool_page(pr, runs[anchor], 0, h, p + 1) * page_bytes;
+      const char* nv = base + pool_page(pr, runs[anchor], 1, h, p + 1) * page_bytes;
+      for (int64_t line = 0; line < page_bytes; line += 64) {
+        _mm_prefetch(nk + line, _MM_HINT_T1);
+        _mm_prefetch(nv + line, _MM_HINT_T1);
+      }
+    }
+    const float* k = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, runs[anchor], 0, h, p), page_elems, w.kbuf.data());
+    const float* v = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, runs[anchor], 1, h, p), page_elems, w.vbuf.data());
+    for (int64_t bi = 0; bi < num_blocks; ++bi)
+      for (int64_t sub = 0; sub < kBS / 16; ++sub)
+        fold_lanes16<kD>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * kBS + 16 * sub);
+  }
+  lane_block_pages.fetch_add(num_blocks * (end - lo), std::memory_order_relaxed);
+  for (int64_t bi = 0; bi < num_blocks; ++bi) {   // back into the runs' row-major state
+    const LaneBlock& b = blocks[bi];
+    for (int64_t lane = 0; lane < b.lanes; ++lane) {
+      Run& run = runs[b.run[lane]];
+      const int64_t r = b.row[lane];
+      run.m[r] = b.m[lane];
+      run.l[r] = b.l[lane];
+      for (int64_t d = 0; d < kD; ++d) run.acc[r * kD + d] = b.acc[d * 16 + lane];
+      run.next_page = end;
     }
   }
 }
@@ -390,7 +623,7 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
     const int64_t first_key = pr.sliding_window > 0 ? std::max<int64_t>(0, pos0 - pr.sliding_window + 1) : 0;
     Run& r = runs[n];
     r = Run{s, start, seg.nq, seg.nq * G, pos0, limit, first_key / BS,
-            std::min<int64_t>((limit + BS - 1) / BS, pr.MB), w.m.data() + n * max_rows,
+            std::min<int64_t>((limit + BS - 1) / BS, pr.MB), first_key / BS, w.m.data() + n * max_rows,
             w.l.data() + n * max_rows, w.acc.data() + n * max_rows * D};
     std::fill(r.m, r.m + r.rows, kMasked);
     std::fill(r.l, r.l + r.rows, 0.0f);
@@ -399,9 +632,12 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
     hi = std::max(hi, r.last_page);
     ++n;
   }
+#ifdef __AVX512F__
+  if constexpr (kBS > 0 && kBS % 16 == 0 && kD > 0 && kD % 16 == 0) fold_shared_pages<kBS, kD>(pr, w, runs, n, h);
+#endif
   for (int64_t p = lo; p < hi; ++p)
     for (int64_t i = 0; i < n; ++i)
-      if (p >= runs[i].first_page && p < runs[i].last_page) {
+      if (p >= runs[i].next_page && p < runs[i].last_page) {
 #ifdef __AVX512F__
         if constexpr (kBS > 0 && kBS % 16 == 0 && kD > 0 && kD % 16 == 0) {
           if (pr.soft_cap <= 0.0f) {
@@ -429,14 +665,14 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
-                            int64_t sliding_window, float soft_cap, int64_t q_bf16) {
+                            int64_t sliding_window, float soft_cap, int64_t q_bf16, int64_t min_lane_fill) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
   Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
              query_start_loc.typed_data(), out->typed_data(), lse->typed_data(),
              qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
-             sliding_window, soft_cap, q_bf16 != 0};
+             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill};
   if (kd[4] != pr.D || pr.QH % pr.KVH) return ffi::Error::InvalidArgument("q and kv shapes disagree");
   pr.G = pr.QH / pr.KVH;
   const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
@@ -469,8 +705,18 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     if (q_len >= 1 && q_len <= std::min(kQueryBlock, max_q_len) && start >= 0 && start + q_len <= pr.T)
       segs.push_back({s, 0, q_len});
   }
-  for (int64_t i = first_short; i < static_cast<int64_t>(segs.size()); i += kSeqGroup)
-    items.emplace_back(i, std::min<int64_t>(kSeqGroup, static_cast<int64_t>(segs.size()) - i));
+  // Runs that start from the same pool block (a shared prefix) next to each other, then groups
+  // of at most kSeqGroup of even sizes. A row's numbers do not depend on its group.
+  std::stable_sort(segs.begin() + first_short, segs.end(), [&](const Segment& a, const Segment& b) {
+    return pr.tables[a.s * pr.MB] < pr.tables[b.s * pr.MB];
+  });
+  const int64_t num_short = static_cast<int64_t>(segs.size()) - first_short;
+  const int64_t num_groups = (num_short + kSeqGroup - 1) / kSeqGroup;
+  for (int64_t g = 0, i = first_short; g < num_groups; ++g) {
+    const int64_t size = (num_short - (i - first_short) + (num_groups - g) - 1) / (num_groups - g);
+    items.emplace_back(i, size);
+    i += size;
+  }
   const int64_t max_rows = std::min(max_q_len, kQueryBlock) * pr.G;
   const int64_t num_items = static_cast<int64_t>(items.size());
   jaxserve_native::parallel_for(pool, num_items * pr.KVH, std::max<int64_t>(1, pool.num_threads()), [&](int64_t work) {
@@ -483,6 +729,8 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 }
 
 }  // namespace
+
+extern "C" int64_t JaxserveLaneBlockPages() { return lane_block_pages.load(std::memory_order_relaxed); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                               ffi::Ffi::Bind()
@@ -499,4 +747,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                                   .Attr<int64_t>("max_q_len")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("q_bf16"));     // 1: q's values are bfloat16 exactly
+                                  .Attr<int64_t>("q_bf16")       // 1: q's values are bfloat16 exactly
+                                  .Attr<int64_t>("min_lane_fill"));  // rows per 16-lane block to fold shared pages so

@@ -213,3 +213,64 @@ def test_bf16_queries_dot_the_pages_as_they_lie(head_dim):
     k, v = (jnp.asarray(x, jnp.bfloat16) for x in step_kv(args))
     out = ragged_paged_attention_cpu(jnp.asarray(q, jnp.bfloat16), k, v, bits, *meta, sm_scale=scale, native=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(got[True].astype(jnp.bfloat16)))
+
+
+def _shared_prefix_batch(block_size, head_dim, *, group=3):
+    """12 decodes over a 9-page shared prefix and 3 more pages each, 2 decodes of their own, one
+    decode sharing only the first 2 pages, and a 37-query prefill chunk after 70 tokens."""
+    prefix = 9 * block_size
+    seqs = [(prefix + 3 * block_size - s, 1) for s in range(12)] + [(50, 1), (90, 1), (prefix + 5, 1), (107, 37)]
+    max_blocks = -(-max(c for c, _ in seqs) // block_size)
+    args = list(make_batch(seqs, num_tokens=64, num_seq_slots=16, block_size=block_size, head_dim=head_dim,
+                           num_blocks=16 * max_blocks + 1, max_blocks=max_blocks, num_kv_heads=2, group=group))
+    tables = args[2].copy()
+    tables[1:12, :9] = tables[0, :9]
+    tables[14, :2] = tables[0, :2]
+    args[2] = tables
+    return tuple(args)
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
+@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (32, 128), (64, 64)])
+@pytest.mark.parametrize("variant", ["plain", "sliding_window", "bf16_pool"])
+def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, head_dim, variant):
+    """Pages several runs share (and a prefill block's full pages) are folded for 16 query rows at
+    a time, rows in vector lanes. Each row goes through the same operations in the same order as
+    when its run folds them alone, so the answer is the same to the bit: with the path off, and
+    for every sequence computed on its own (a lone decode's 3 rows never take it)."""
+    args = _shared_prefix_batch(block_size, head_dim)
+    q, cache, tables, ctx, qsl, num_seqs = args
+    scale = head_dim ** -0.5
+    window = 5 * block_size + 3 if variant == "sliding_window" else None
+    pool, bits = jnp.asarray(cache), jnp.float32
+    if variant == "bf16_pool":
+        cache = np.asarray(jnp.asarray(cache, jnp.bfloat16).astype(jnp.float32))
+        pool, bits = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16)), jnp.bfloat16
+
+    def attend(q, tables, ctx, qsl, num_seqs, fill):
+        return native_cpu.paged_context_native(
+            jnp.asarray(q * scale), pool, jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(qsl), num_seqs,
+            bits_dtype=bits, max_q_len=q.shape[0], sliding_window=window, soft_cap=None, min_lane_fill=fill)
+
+    before = native_cpu.lane_block_pages()
+    on = attend(q, tables, ctx, qsl, num_seqs, 10)
+    assert native_cpu.lane_block_pages() > before   # the lane path ran
+    off_before = native_cpu.lane_block_pages()
+    off = attend(q, tables, ctx, qsl, num_seqs, 0)
+    assert native_cpu.lane_block_pages() == off_before
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = naive_attention(q, cache, tables, ctx, qsl, num_seqs, sm_scale=scale, sliding_window=window)
+    T = int(qsl[num_seqs])
+    np.testing.assert_allclose(np.asarray(on[0])[:T], want[:T], rtol=RTOL, atol=ATOL)
+    for s in range(int(num_seqs)):   # each sequence alone, in slot 0
+        lo, hi = int(qsl[s]), int(qsl[s + 1])
+        alone = attend(q[lo:hi], tables[s:s + 1], ctx[s:s + 1], np.array([0, hi - lo], np.int32), 1, 10)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(on[0])[lo:hi])
+
+
+def test_min_lane_fill_is_checked():
+    with pytest.raises(ValueError, match="min_lane_fill must be in 0..16"):
+        native_cpu._min_lane_fill(17)
+    with pytest.raises(ValueError, match="min_lane_fill must be in 0..16"):
+        native_cpu._min_lane_fill(-1)

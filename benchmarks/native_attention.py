@@ -1,0 +1,91 @@
+"""The native CPU attention kernel alone, one layer, with and without folding shared pages 16 rows at a time.
+
+Times `native_cpu.paged_context_native` on the default model's attention shapes (9 q heads,
+3 KV heads, head_dim 64, pages of 16) in one process, the two settings of `min_lane_fill`
+alternating call by call (medians; this machine is noisy), and checks that both give the same
+numbers bit for bit. Cases:
+- shared: 32 decodes over one 1,024-token prefix, each with 80 tokens of its own (context 1,104);
+- decodes: 64 decodes of 256 tokens, no page shared;
+- prefill: one 512-token chunk after 256 cached tokens (blocks of 16 queries);
+- mixed: the shared case's decodes next to a 128-token prefill.
+
+    python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import native_cpu
+
+QH, KVH, D, BS = 9, 3, 64, 16
+
+
+def make_case(seqs, shared_blocks, dtype, rng):
+    """seqs: (context, q_len) pairs; the first `shared_blocks` pages of every table are the same blocks."""
+    need = [-(-ctx // BS) for ctx, _ in seqs]
+    num_blocks = shared_blocks + sum(n - min(n, shared_blocks) for n in need) + 1
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.zeros((len(seqs), max(need)), np.int32)
+    nxt = shared_blocks
+    for s, n in enumerate(need):
+        tables[s, :min(n, shared_blocks)] = perm[:min(n, shared_blocks)]
+        tables[s, shared_blocks:n] = perm[nxt:nxt + n - shared_blocks]
+        nxt += max(0, n - shared_blocks)
+    kv = rng.standard_normal((2, KVH, num_blocks, BS, D)).astype(np.float32)
+    pool = jnp.asarray(kv) if dtype == "float32" else jnp.asarray(
+        np.asarray(jnp.asarray(kv, jnp.bfloat16)).view(np.uint16))
+    qsl = np.concatenate([[0], np.cumsum([q for _, q in seqs])]).astype(np.int32)
+    q = (rng.standard_normal((int(qsl[-1]), QH, D)) * D ** -0.5).astype(np.float32)
+    if dtype == "bfloat16":   # a bf16 model's q: its scores come from bf16 dot products
+        q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    ctx = np.array([c for c, _ in seqs], np.int32)
+    return tuple(map(jnp.asarray, (q, pool, tables, ctx, qsl))) + (len(seqs),)
+
+
+CASES = {
+    "shared": ([(1104, 1)] * 32, 64),
+    "decodes": ([(256, 1)] * 64, 0),
+    "prefill": ([(768, 512)], 0),
+    "mixed": ([(1104, 1)] * 32 + [(128, 128)], 64),
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--min-lane-fill", type=int, default=native_cpu.MIN_LANE_FILL)
+    args = p.parse_args()
+    assert native_cpu.available(), "the native kernel does not build here"
+    rng = np.random.default_rng(0)
+    print(f"native attention, one layer, {args.dtype} pool, {jax.device_count()} device, reps {args.reps}")
+    print(f"{'case':<8} {'lanes off ms':>13} {'lanes on ms':>12} {'ratio':>6}  same bits")
+    for name, (seqs, shared) in CASES.items():
+        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, rng)
+        fns = {}
+        for lanes in (0, args.min_lane_fill):
+            fns[lanes] = jax.jit(lambda q, pool, tables, ctx, qsl, lanes=lanes: native_cpu.paged_context_native(
+                q, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
+                max_q_len=q.shape[0], sliding_window=None, soft_cap=None, q_bf16=args.dtype == "bfloat16",
+                min_lane_fill=lanes))
+        outs = {k: jax.block_until_ready(f(q, pool, tables, ctx, qsl)) for k, f in fns.items()}
+        same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
+        times = {k: [] for k in fns}
+        for _ in range(args.reps):
+            for k, f in fns.items():
+                t = time.perf_counter()
+                jax.block_until_ready(f(q, pool, tables, ctx, qsl))
+                times[k].append(time.perf_counter() - t)
+        off, on = (statistics.median(times[k]) * 1e3 for k in fns)
+        print(f"{name:<8} {off:>13.3f} {on:>12.3f} {off / on:>6.2f}  {same}")
+
+
+if __name__ == "__main__":
+    main()
