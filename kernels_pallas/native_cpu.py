@@ -186,7 +186,7 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     runs of a group that share pool pages (a prefix; a prefill block's rows share every page)
     fold those pages 16 query rows at a time when their rows fill the 16-row blocks with at
     least this many on average; 0 never. The numbers are the same either way (None:
-    `MIN_LANE_FILL`, or JAXSERVE_MIN_LANE_FILL when set, read at trace time). Returns (out
+    `lane_fill_setting()`). Returns (out
     [T, QH, D], lse [T, QH]) float32; rows of other sequences are (0, -inf). Call `available()` first.
     """
     num_tokens, num_q_heads, head_dim = qs.shape
@@ -200,13 +200,14 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(_min_lane_fill(min_lane_fill)))
+                q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(lane_fill_setting(min_lane_fill)))
 
 
 MIN_LANE_FILL = 10   # fewer rows per 16-row block fold faster one by one (benchmarks/RESULTS.md)
 
 
-def _min_lane_fill(value: int | None) -> int:
+def lane_fill_setting(value: int | None = None) -> int:
+    """`value`, checked; None: JAXSERVE_MIN_LANE_FILL when set (the A/B switch), else MIN_LANE_FILL."""
     if value is None:
         value = int(os.environ.get("JAXSERVE_MIN_LANE_FILL", MIN_LANE_FILL))
     if not 0 <= value <= 16:

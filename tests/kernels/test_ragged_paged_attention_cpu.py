@@ -271,6 +271,6 @@ def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, h
 
 def test_min_lane_fill_is_checked():
     with pytest.raises(ValueError, match="min_lane_fill must be in 0..16"):
-        native_cpu._min_lane_fill(17)
+        native_cpu.lane_fill_setting(17)
     with pytest.raises(ValueError, match="min_lane_fill must be in 0..16"):
-        native_cpu._min_lane_fill(-1)
+        native_cpu.lane_fill_setting(-1)
