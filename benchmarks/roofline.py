@@ -106,12 +106,14 @@ class Model:
 
 
 def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context: int, reps: int,
-                        trace_dir: Path | None = None) -> tuple[float, dict[str, float]]:
+                        trace_dir: Path | None = None, shared: int = 0) -> tuple[float, dict[str, float]]:
     """Median seconds of runner.execute() for num_seqs sequences computing q_tokens each after `context`,
-    and (with `trace_dir`) where one more step's device time went, by kind (trace_summary.py)."""
+    the first `shared` tokens' blocks (whole blocks) the same for all (a cached prefix), and (with
+    `trace_dir`) where one more step's device time went, by kind (trace_summary.py)."""
     runner, bs = engine.runner, engine.scheduler.config.block_size
     blocks_per_seq = -(-(context + q_tokens) // bs)
-    if num_seqs * blocks_per_seq >= runner.num_blocks:
+    common = min(shared, context) // bs
+    if common + num_seqs * (blocks_per_seq - common) >= runner.num_blocks:
         raise ValueError(f"{num_seqs} x {blocks_per_seq} blocks exceed the pool of {runner.num_blocks}")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     previous: set[str] = set()
@@ -123,7 +125,8 @@ def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context
         ids = [f"r{rep}-{i}" for i in range(num_seqs)]
         new = [NewRequestData(req_id=r, prompt_token_ids=[(7 * i + j) % 4000 + 100 for j in range(context + q_tokens)],
                               output_token_ids=[], sampling_params=params, seed=0,
-                              block_ids=list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
+                              block_ids=list(range(1, 1 + common)) + list(range(
+                                  1 + common + i * (blocks_per_seq - common), 1 + common + (i + 1) * (blocks_per_seq - common))),
                               num_computed_tokens=context) for i, r in enumerate(ids)]
         so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=[],
                              num_scheduled_tokens={r: q_tokens for r in ids},

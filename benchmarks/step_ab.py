@@ -6,7 +6,7 @@ alternately on the two engines, so machine noise hits both alike. Prints the med
 of each and the ratio B / A.
 
     python benchmarks/step_ab.py --a JAXSERVE_NATIVE_GEMM=1 --b JAXSERVE_NATIVE_GEMM=0 \\
-        [--dtype float32] [--steps 64x1@256,1x512@256] [--rounds 5]
+        [--dtype float32] [--steps 64x1@256,1x512@256,32x1@1104/1024] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a", nargs="*", default=[], help="NAME=VALUE settings of configuration A")
     ap.add_argument("--b", nargs="*", default=[], help="NAME=VALUE settings of configuration B")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--steps", default="64x1@256,1x512@256", help="SEQSxTOKENS@CONTEXT, comma-separated")
+    ap.add_argument("--steps", default="64x1@256,1x512@256", help="SEQSxTOKENS@CONTEXT[/SHARED], comma-separated; SHARED: tokens of the "
+                    "context whose blocks every sequence shares (a cached prefix)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     engines = {"A": build(args.a, args), "B": build(args.b, args)}
@@ -42,13 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| step | A ms | B ms | B / A |\n|---|---:|---:|---:|")
     for spec in args.steps.split(","):
         shape, _, context = spec.partition("@")
+        context, _, shared = context.partition("/")
         seqs, tokens = map(int, shape.split("x"))
         times = {"A": [], "B": []}
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                times[name].append(synthetic_step_time(engine, seqs, tokens, int(context), reps=2)[0])
+                times[name].append(synthetic_step_time(engine, seqs, tokens, int(context), reps=2,
+                                                       shared=int(shared or 0))[0])
         a, b = statistics.median(times["A"]), statistics.median(times["B"])
-        print(f"| {seqs} x {tokens} after {context} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} |", flush=True)
+        label = f"{seqs} x {tokens} after {context}" + (f" ({shared} shared)" if shared else "")
+        print(f"| {label} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} |", flush=True)
     return 0
 
 
