@@ -420,12 +420,14 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   }
 }
 
-// Folds 16 full keys (k, v: [16][kD] float32 rows, from key0 on) into block b's rows. Each row's
-// scores take fold_page16's order: a fused multiply-add chain per d mod 16 over the head dim's
-// vectors, then sum_lanes16's tree over the 16 partial sums.
-template <int64_t kD>
-void fold_lanes16(const Problem& pr, LaneBlock& b, const float* k, const float* v, int64_t key0) {
-  constexpr int NV = static_cast<int>(kD / 16);
+// Folds 16 full keys (k, v: [16][kD] rows, from key0 on) into block b's rows. Each row's scores
+// take fold_page16's order: a chain per lane l of sum_lanes16's input, then its tree over l.
+// float32 (kBf16 false): k is float32; lane l chains fused multiply-adds over d = l, 16 + l, ...
+// bfloat16: k holds the raw bf16 page and b.q the rows' q as bf16 pairs ([kD / 2][16] words);
+// lane l chains `vdpbf16ps` over the pairs at d = 2l, 32 + 2l, ...
+template <int64_t kD, bool kBf16>
+void fold_lanes16(const Problem& pr, LaneBlock& b, const void* k_page, const float* v, int64_t key0) {
+  constexpr int NV = static_cast<int>(kBf16 ? kD / 32 : kD / 16);   // links of each lane's chain
   const float* q = b.q;
   __m512 s[16];
   for (int t0 = 0; t0 < 16; t0 += 4) {   // 4 keys at a time: each q vector loaded serves 4 keys
@@ -436,6 +438,26 @@ void fold_lanes16(const Problem& pr, LaneBlock& b, const float* k, const float* 
       #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const int l = 4 * j + u;
+#ifdef __AVX512BF16__
+        if constexpr (kBf16) {
+          const uint16_t* k = static_cast<const uint16_t*>(k_page);
+          auto pair = [&](int t, int w) {   // k[t][32w + 2l], k[t][32w + 2l + 1] as one 32-bit word, broadcast
+            uint32_t word;
+            std::memcpy(&word, k + t * kD + 32 * w + 2 * l, sizeof word);
+            return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(word));
+          };
+          #pragma GCC unroll 4
+          for (int kk = 0; kk < 4; ++kk) p[u][kk] = _mm512_setzero_ps();
+          #pragma GCC unroll 8
+          for (int w = 0; w < NV; ++w) {
+            const __m512bh qw = (__m512bh)_mm512_load_si512(q + 16 * (16 * w + l));
+            #pragma GCC unroll 4
+            for (int kk = 0; kk < 4; ++kk) p[u][kk] = _mm512_dpbf16_ps(p[u][kk], qw, pair(t0 + kk, w));
+          }
+          continue;
+        }
+#endif
+        const float* k = static_cast<const float*>(k_page);
         #pragma GCC unroll 4
         for (int kk = 0; kk < 4; ++kk)
           p[u][kk] = _mm512_mul_ps(_mm512_load_ps(q + 16 * l), _mm512_set1_ps(k[(t0 + kk) * kD + l]));
@@ -500,16 +522,16 @@ void fold_lanes16(const Problem& pr, LaneBlock& b, const float* k, const float* 
 // (`fold_lanes16`), and moves those runs' `next_page` past them; `fold_page16` takes the rest.
 // The runs taken: those that share their first pages with the group's most common first block,
 // as many and as far as gives the most row-pages, where their rows fill the 16-row blocks with
-// at least `min_lane_fill` rows on average (below that, rows one by one are faster). Only where
-// it gives fold_page16's numbers: float32 scores (no soft cap, no bf16 dot products).
+// at least `min_lane_fill` rows on average (below that, rows one by one are faster). Not with a
+// soft cap (fold_page16 does not take those either).
 template <int64_t kBS, int64_t kD>
 void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) {
 #ifdef __AVX512BF16__
-  const bool bf16_scores = pr.q_bf16 && pr.bits_dtype == 1 && kD % 32 == 0;
+  const bool bf16_scores = pr.q_bf16 && pr.bits_dtype == 1 && kD % 32 == 0;   // fold_page16's dot_bf16
 #else
   const bool bf16_scores = false;
 #endif
-  if (pr.min_lane_fill <= 0 || n == 0 || pr.soft_cap > 0.0f || bf16_scores) return;
+  if (pr.min_lane_fill <= 0 || n == 0 || pr.soft_cap > 0.0f) return;
   auto table = [&](const Run& run, int64_t p) { return pr.tables[run.s * pr.MB + p]; };
   // the anchor: a run whose first page's block starts the most runs
   int64_t anchor = 0, most = 0;
@@ -563,7 +585,17 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
       const Run& run = runs[i];
       const int64_t j = r / G, g = r % G;
       const float* qrow = pr.q + ((run.start + j) * QH + h * G + g) * kD;
-      for (int64_t d = 0; d < kD; ++d) b.q[d * 16 + lane] = qrow[d];
+      if (bf16_scores) {   // pairs (q[2c], q[2c + 1]) as one word, c = 16w + l (exact: q's values are bf16)
+        uint32_t* words = reinterpret_cast<uint32_t*>(b.q);
+        for (int64_t c = 0; c < kD / 2; ++c) {
+          uint32_t lo, hi;
+          std::memcpy(&lo, qrow + 2 * c, sizeof lo);
+          std::memcpy(&hi, qrow + 2 * c + 1, sizeof hi);
+          words[c * 16 + lane] = lo >> 16 | (hi & 0xFFFF0000u);
+        }
+      } else {
+        for (int64_t d = 0; d < kD; ++d) b.q[d * 16 + lane] = qrow[d];
+      }
       b.pos[lane] = static_cast<int32_t>(run.pos0 + j);
       b.run[lane] = i;
       b.row[lane] = r;
@@ -582,11 +614,21 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
         _mm_prefetch(nv + line, _MM_HINT_T1);
       }
     }
-    const float* k = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, runs[anchor], 0, h, p), page_elems, w.kbuf.data());
+    const int64_t k_page = pool_page(pr, runs[anchor], 0, h, p);
     const float* v = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, runs[anchor], 1, h, p), page_elems, w.vbuf.data());
-    for (int64_t bi = 0; bi < num_blocks; ++bi)
-      for (int64_t sub = 0; sub < kBS / 16; ++sub)
-        fold_lanes16<kD>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * kBS + 16 * sub);
+    if (bf16_scores) {
+#ifdef __AVX512BF16__
+      const uint16_t* k = static_cast<const uint16_t*>(pr.kv) + k_page * page_elems;
+      for (int64_t bi = 0; bi < num_blocks; ++bi)
+        for (int64_t sub = 0; sub < kBS / 16; ++sub)
+          fold_lanes16<kD, true>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * kBS + 16 * sub);
+#endif
+    } else {
+      const float* k = page_rows(pr.kv, pr.bits_dtype, k_page, page_elems, w.kbuf.data());
+      for (int64_t bi = 0; bi < num_blocks; ++bi)
+        for (int64_t sub = 0; sub < kBS / 16; ++sub)
+          fold_lanes16<kD, false>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * kBS + 16 * sub);
+    }
   }
   lane_block_pages.fetch_add(num_blocks * (end - lo), std::memory_order_relaxed);
   for (int64_t bi = 0; bi < num_blocks; ++bi) {   // back into the runs' row-major state

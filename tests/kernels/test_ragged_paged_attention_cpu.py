@@ -232,25 +232,31 @@ def _shared_prefix_batch(block_size, head_dim, *, group=3):
 
 @pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
 @pytest.mark.parametrize("block_size, head_dim", [(16, 64), (32, 128), (64, 64)])
-@pytest.mark.parametrize("variant", ["plain", "sliding_window", "bf16_pool"])
+@pytest.mark.parametrize("variant", ["plain", "sliding_window", "bf16_pool", "bf16_dot"])
 def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, head_dim, variant):
     """Pages several runs share (and a prefill block's full pages) are folded for 16 query rows at
     a time, rows in vector lanes. Each row goes through the same operations in the same order as
     when its run folds them alone, so the answer is the same to the bit: with the path off, and
-    for every sequence computed on its own (a lone decode's 3 rows never take it)."""
+    for every sequence computed on its own (a lone decode's 3 rows never take it). bf16_dot: a
+    bf16 q against a bf16 pool, scores from bf16 dot products in both layouts."""
+    if variant == "bf16_dot" and not native_cpu.gemm_available():
+        pytest.skip("no AVX-512 BF16 on this CPU")
     args = _shared_prefix_batch(block_size, head_dim)
     q, cache, tables, ctx, qsl, num_seqs = args
-    scale = head_dim ** -0.5
+    scale = 2.0 ** -round(np.log2(head_dim) / 2)   # a power of two: a bf16 q times it is still a bf16
     window = 5 * block_size + 3 if variant == "sliding_window" else None
     pool, bits = jnp.asarray(cache), jnp.float32
-    if variant == "bf16_pool":
+    if variant in ("bf16_pool", "bf16_dot"):
         cache = np.asarray(jnp.asarray(cache, jnp.bfloat16).astype(jnp.float32))
         pool, bits = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16)), jnp.bfloat16
+    if variant == "bf16_dot":
+        q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
 
     def attend(q, tables, ctx, qsl, num_seqs, fill):
         return native_cpu.paged_context_native(
             jnp.asarray(q * scale), pool, jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(qsl), num_seqs,
-            bits_dtype=bits, max_q_len=q.shape[0], sliding_window=window, soft_cap=None, min_lane_fill=fill)
+            bits_dtype=bits, max_q_len=q.shape[0], sliding_window=window, soft_cap=None,
+            q_bf16=variant == "bf16_dot", min_lane_fill=fill)
 
     before = native_cpu.lane_block_pages()
     on = attend(q, tables, ctx, qsl, num_seqs, 10)
