@@ -6,7 +6,8 @@ the caller's jitted step. Each sequence takes one of two routes:
 - runs of at most `decode_query_len` queries (by default every run, when the native kernel
   builds here): the native kernel (`native_cpu`, an XLA FFI call) reads their whole context
   from the pool where it lies (this step's keys included), walking groups of short runs page
-  by page so shared prefix pages are read once, and longer runs in blocks of 16 queries;
+  by page so shared prefix pages are read once, and longer runs in blocks of 16 queries; pages
+  many rows share (a prefix, a query block's earlier pages) are folded 16 rows at a time;
 - longer runs (prefills, chunks, prefix-hit suffixes) attend two disjoint key sets, merged by
   log-sum-exp: keys computed in this step, read straight from `k`/`v` in dense tiles of
   `q_block` rows (a segment mask keeps sequences apart; no page gather), and keys cached

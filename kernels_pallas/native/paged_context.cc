@@ -5,7 +5,12 @@
 // pool (which already holds this step's keys): no gathered copy, one pass over each run's
 // pages, with an online softmax per page. Work items, on XLA's intra-op threads
 // (parallel.h), are (item, KV head): a block of 16 queries of a longer run, or a group of
-// up to 8 short runs walked page by page together (shared prefix pages read once).
+// up to 16 short runs (those starting from the same block side by side) walked page by page
+// together. Pages that several of an item's rows read whole from the same block (a shared
+// prefix; a 16-query block's earlier pages) are folded for 16 rows at a time, rows in vector
+// lanes (`fold_lanes16`): each K and V value loaded serves 16 rows. A row goes through the
+// same operations in the same order either way, so its result does not depend on the path,
+// its group or its batch (tests/kernels/test_ragged_paged_attention_cpu.py checks the bits).
 //
 // Inputs: q [T, QH, D] float32, already scaled by sm_scale (with `q_bf16` set the caller vouches
 // that every value is a bfloat16 exactly, e.g. a bf16 model's q times a power-of-two scale, so
@@ -294,12 +299,13 @@ inline __m512 sum16_vertical(const __m512 e[16]) {
   return _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]));
 }
 
-// fold_page for pages of kBS keys (a multiple of 16) and a head dim of kD (a multiple of 16)
-// without soft-capping, 16 keys at a time: the 16 scores of a row come out in one vector,
-// masked, exponentiated and summed 16 at a time, and the row's output accumulates in registers.
-template <int64_t kBS, int64_t kD>
+// fold_page for pages of a multiple of 16 keys and a head dim of kD (a multiple of 16) without
+// soft-capping, 16 keys at a time: the 16 scores of a row come out in one vector, masked,
+// exponentiated and summed 16 at a time, and the row's output accumulates in registers.
+template <int64_t kD>
 void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64_t p) {
-  constexpr int64_t BS = kBS, D = kD;
+  constexpr int64_t D = kD;
+  const int64_t BS = pr.BS;
   constexpr int NV = static_cast<int>(kD / 16);
   const int64_t G = pr.G, QH = pr.QH;
   // bf16 q against a bf16 pool: K stays as it lies (pairs of bf16 into vdpbf16ps), else float32 rows
@@ -315,7 +321,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   const int64_t page_bytes = BS * D * (pr.bits_dtype ? 2 : 4);
   const auto [nk, nv] = next_pages(pr, run, h, p, page_bytes);
   // float32 16-key pages: the next pages' prefetches go out 8 lines per key of the first row's scores
-  const bool spread = kBS == 16 && pr.bits_dtype == 0 && nk != nullptr;
+  const bool spread = BS == 16 && pr.bits_dtype == 0 && nk != nullptr;
   const int64_t lines_per_key = page_bytes / 64 / 16;
   const float* vpage_all;
   if (pr.bits_dtype == 1) {
@@ -426,7 +432,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
 // bfloat16: k holds the raw bf16 page and b.q the rows' q as bf16 pairs ([kD / 2][16] words);
 // lane l chains `vdpbf16ps` over the pairs at d = 2l, 32 + 2l, ...
 template <int64_t kD, bool kBf16>
-void fold_lanes16(const Problem& pr, LaneBlock& b, const void* k_page, const float* v, int64_t key0) {
+__attribute__((noinline)) void fold_lanes16(const Problem& pr, LaneBlock& b, const void* k_page, const float* v, int64_t key0) {
   constexpr int NV = static_cast<int>(kBf16 ? kD / 32 : kD / 16);   // links of each lane's chain
   const float* q = b.q;
   __m512 s[16];
@@ -524,8 +530,9 @@ void fold_lanes16(const Problem& pr, LaneBlock& b, const void* k_page, const flo
 // as many and as far as gives the most row-pages, where their rows fill the 16-row blocks with
 // at least `min_lane_fill` rows on average (below that, rows one by one are faster). Not with a
 // soft cap (fold_page16 does not take those either).
-template <int64_t kBS, int64_t kD>
+template <int64_t kD>
 void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) {
+  const int64_t BS = pr.BS;   // a multiple of 16
 #ifdef __AVX512BF16__
   const bool bf16_scores = pr.q_bf16 && pr.bits_dtype == 1 && kD % 32 == 0;   // fold_page16's dot_bf16
 #else
@@ -547,7 +554,7 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
     const Run& run = runs[i];
     int64_t p = lo;
     if (run.first_page == lo)
-      while (p < run.last_page && p < runs[anchor].last_page && (p + 1) * kBS <= run.limit &&
+      while (p < run.last_page && p < runs[anchor].last_page && (p + 1) * BS <= run.limit &&
              table(run, p) == table(runs[anchor], p))
         ++p;
     shared[i] = p - lo;
@@ -603,7 +610,7 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
       if (++r == run.rows) { r = 0; ++i; }
     }
   }
-  const int64_t page_elems = kBS * kD, page_bytes = page_elems * (pr.bits_dtype ? 2 : 4);
+  const int64_t page_elems = BS * kD, page_bytes = page_elems * (pr.bits_dtype ? 2 : 4);
   const char* base = static_cast<const char*>(pr.kv);
   for (int64_t p = lo; p < end; ++p) {
     if (p + 1 < end) {   // the next pages into L2 while this one computes
@@ -620,14 +627,14 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
 #ifdef __AVX512BF16__
       const uint16_t* k = static_cast<const uint16_t*>(pr.kv) + k_page * page_elems;
       for (int64_t bi = 0; bi < num_blocks; ++bi)
-        for (int64_t sub = 0; sub < kBS / 16; ++sub)
-          fold_lanes16<kD, true>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * kBS + 16 * sub);
+        for (int64_t sub = 0; sub < BS / 16; ++sub)
+          fold_lanes16<kD, true>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * BS + 16 * sub);
 #endif
     } else {
       const float* k = page_rows(pr.kv, pr.bits_dtype, k_page, page_elems, w.kbuf.data());
       for (int64_t bi = 0; bi < num_blocks; ++bi)
-        for (int64_t sub = 0; sub < kBS / 16; ++sub)
-          fold_lanes16<kD, false>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * kBS + 16 * sub);
+        for (int64_t sub = 0; sub < BS / 16; ++sub)
+          fold_lanes16<kD, false>(pr, blocks[bi], k + 16 * sub * kD, v + 16 * sub * kD, p * BS + 16 * sub);
     }
   }
   lane_block_pages.fetch_add(num_blocks * (end - lo), std::memory_order_relaxed);
@@ -647,11 +654,11 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
 
 // Rows of up to kSeqGroup sequences over KV head h, walked page index by page index: when
 // sequences share a prefix, their shared pages are read from memory once and from cache by
-// the others (cascade attention without a separate pass). kBS / kD are the page size and
-// head dim when known at compile time (the common shapes), else 0 (read from `pr`).
-template <int64_t kBS, int64_t kD>
+// the others (cascade attention without a separate pass). kD: the head dim of the common
+// shapes, with pages of a multiple of 16 keys (the vector folds); 0 for any other shape.
+template <int64_t kD>
 void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, int64_t h, int64_t max_rows) {
-  const int64_t BS = kBS ? kBS : pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
+  const int64_t BS = pr.BS, D = kD ? kD : pr.D, G = pr.G, QH = pr.QH;
   Run runs[kSeqGroup];
   int64_t n = 0, lo = INT64_MAX, hi = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -675,20 +682,20 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
     ++n;
   }
 #ifdef __AVX512F__
-  if constexpr (kBS > 0 && kBS % 16 == 0 && kD > 0 && kD % 16 == 0) fold_shared_pages<kBS, kD>(pr, w, runs, n, h);
+  if constexpr (kD > 0) fold_shared_pages<kD>(pr, w, runs, n, h);
 #endif
   for (int64_t p = lo; p < hi; ++p)
     for (int64_t i = 0; i < n; ++i)
       if (p >= runs[i].next_page && p < runs[i].last_page) {
 #ifdef __AVX512F__
-        if constexpr (kBS > 0 && kBS % 16 == 0 && kD > 0 && kD % 16 == 0) {
+        if constexpr (kD > 0) {
           if (pr.soft_cap <= 0.0f) {
-            fold_page16<kBS, kD>(pr, w, runs[i], h, p);
+            fold_page16<kD>(pr, w, runs[i], h, p);
             continue;
           }
         }
 #endif
-        fold_page<kBS, kD>(pr, w, runs[i], h, p);
+        fold_page<0, kD>(pr, w, runs[i], h, p);
       }
   for (int64_t i = 0; i < n; ++i) {
     const Run& r = runs[i];
@@ -720,13 +727,9 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
   std::fill(pr.out, pr.out + pr.T * pr.QH * pr.D, 0.0f);
   std::fill(pr.lse, pr.lse + pr.T * pr.QH, -std::numeric_limits<float>::infinity());
-  auto fn = &attend<0, 0>;
-  if (pr.BS == 16 && pr.D == 64) fn = &attend<16, 64>;
-  else if (pr.BS == 16 && pr.D == 128) fn = &attend<16, 128>;
-  else if (pr.BS == 32 && pr.D == 64) fn = &attend<32, 64>;
-  else if (pr.BS == 32 && pr.D == 128) fn = &attend<32, 128>;
-  else if (pr.BS == 64 && pr.D == 64) fn = &attend<64, 64>;
-  else if (pr.BS == 64 && pr.D == 128) fn = &attend<64, 128>;
+  auto fn = &attend<0>;   // the vector folds take pages of 16, 32, ... keys and head dims 64 / 128
+  if (pr.BS % 16 == 0 && pr.D == 64) fn = &attend<64>;
+  else if (pr.BS % 16 == 0 && pr.D == 128) fn = &attend<128>;
 
   // Work items: each longer run (prefill, chunk) cut into blocks of kQueryBlock queries, one item
   // each and first (the heavy ones); then the short runs (decodes), in batch order, in groups of
