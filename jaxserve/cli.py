@@ -154,11 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=_positive_int, default=None,
                    help="also serve the gRPC API (jaxserve/proto/jaxserve.proto: Generation, health, reflection) "
                         "on this port, on --host")
-    s.add_argument("--background-warmup-after", type=int, default=64,
+    s.add_argument("--background-warmup-after", type=int, default=16,
                    help="serve once a few token buckets up to this many tokens are compiled (the smallest, "
-                        "the first of 16+ tokens, every second one above: 1, 16, 64 by default); the others "
-                        "compile in the background, steps pad to the ready ones and the step's budget is capped "
-                        "at the largest ready one meanwhile (0: compile all first; default: %(default)s)")
+                        "the first of 16+ tokens, every second one above: 1 and 16 by default); the others "
+                        "compile in the background, larger ones first; steps pad to the ready ones and the "
+                        "step's budget is capped at the largest ready one meanwhile (0: compile all first; "
+                        "default: %(default)s)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls in chat requests with tools (tool_choice 'auto'); needs "
                         "--tool-call-parser")

@@ -94,6 +94,15 @@ def first_buckets(buckets: list[int], up_to: int) -> list[int]:
     return sorted({small[0], cheap, *(b for b in small[::-2] if b > cheap)})
 
 
+def later_buckets(buckets: list[int], first: list[int]) -> list[int]:
+    """The order the buckets not in `first` compile in the background: those above the largest
+    ready one first (each raises the step's budget cap), then the gaps below it (they only save
+    padding), each part smallest first."""
+    rest = [b for b in buckets if b not in first]
+    top = max(first, default=0)
+    return [b for b in rest if b > top] + [b for b in rest if b < top]
+
+
 def pick_bucket(n: int, buckets: list[int]) -> int:
     for b in buckets:
         if n <= b:

@@ -38,7 +38,7 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.inputs import (PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
+from jaxserve.runner.inputs import (PromptLogprobsInputs, RequestState, StepInputs, first_buckets, later_buckets,
                                     num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket, prepare_inputs,
                                     prepare_prompt_logprobs, token_buckets)
 from jaxserve.runner.sampler import fast_top_k, sample
@@ -312,8 +312,9 @@ class ModelRunner:
         """Compile the step for the token buckets, ahead of time and in parallel (XLA releases the GIL).
 
         With `background_after` > 0, only `first_buckets(...)` (a few of the buckets up to that
-        many tokens: 1, 16 and 64 of 1..64) are compiled before this returns; the rest compile on a
-        background thread, smallest first. Meanwhile a step pads to the smallest ready bucket
+        many tokens: 1 and 16 of 1..16) are compiled before this returns; the rest compile on a
+        background thread in `later_buckets` order (those that raise the budget cap first).
+        Meanwhile a step pads to the smallest ready bucket
         (`ready_buckets`) and `ready_budget` says the largest (the engine caps its step's token
         budget there), so no step ever waits for a compile.
         """
@@ -322,7 +323,7 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
             for key, exe in zip(keys, pool.map(self._compile, keys)):
                 self._executables[key] = exe
-        later = [b for b in self.buckets if b not in now]
+        later = later_buckets(self.buckets, now)
         self._mark_ready(now)
         logger.info("warm-up compiled the step for token buckets %s%s", now,
                     f"; {later} compile in the background" if later else "")

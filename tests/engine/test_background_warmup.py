@@ -43,6 +43,21 @@ def test_first_buckets_are_the_smallest_the_first_of_16_and_every_second_one_abo
     assert first_buckets([8, 512], 100) == [8]
 
 
+def test_later_buckets_raise_the_cap_first_then_fill_the_gaps():
+    from jaxserve.runner.inputs import first_buckets, later_buckets, token_buckets
+    buckets = token_buckets(512)
+    assert later_buckets(buckets, first_buckets(buckets, 16)) == [32, 64, 128, 256, 512, 2, 4, 8]
+    assert later_buckets(buckets, [1, 16, 64]) == [128, 256, 512, 2, 4, 8, 32]
+    assert later_buckets(buckets, buckets) == []
+
+
+def test_serve_compiles_1_and_16_first_by_default():
+    from jaxserve.cli import build_parser
+    from jaxserve.runner.inputs import first_buckets, token_buckets
+    args = build_parser().parse_args(["serve"])
+    assert first_buckets(token_buckets(512), args.background_warmup_after) == [1, 16]
+
+
 def test_a_step_pads_to_a_ready_bucket_while_the_gaps_compile(tiny_models):
     """Steps of 5-8 tokens pad to 16 while bucket 8 is missing: no compile inside a step, same tokens."""
     path = str(tiny_models["llama"])
