@@ -3,7 +3,7 @@
 Starts real server processes and measures from spawn to the first 200 on /health, with
 the engine's own phase times from its log ("start-up {...}"). Two settings, run one after
 the other in this session: `--background-warmup-after 0` (every token bucket compiled
-before serving, as before) and the default (buckets up to 64 tokens first, the rest in
+before serving, as before) and the default (buckets 1 and 16 first, the rest in
 the background). Cold = a fresh cache directory (GGUF conversion + every XLA compile);
 warm = the same directory again (converted model and XLA's persistent cache reused).
 
