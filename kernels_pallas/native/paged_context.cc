@@ -169,7 +169,8 @@ struct Scratch {  // per thread, kept between calls
   bool fits(const Problem& pr, int64_t max_rows) const {
     return kbuf.size() >= static_cast<size_t>(pr.BS * pr.D) && m.size() >= static_cast<size_t>(kSeqGroup * max_rows) &&
            acc.size() >= static_cast<size_t>(kSeqGroup * max_rows * pr.D) && scores.size() >= static_cast<size_t>(pr.BS) &&
-           lanes.size() >= static_cast<size_t>(lane_blocks(max_rows) * lane_floats(pr) + 16);
+           lanes.size() >= static_cast<size_t>(lane_blocks(max_rows) * lane_floats(pr) + 16) &&
+           blocks.size() >= static_cast<size_t>(lane_blocks(max_rows));
   }
 };
 
@@ -595,10 +596,10 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
       if (bf16_scores) {   // pairs (q[2c], q[2c + 1]) as one word, c = 16w + l (exact: q's values are bf16)
         uint32_t* words = reinterpret_cast<uint32_t*>(b.q);
         for (int64_t c = 0; c < kD / 2; ++c) {
-          uint32_t lo, hi;
-          std::memcpy(&lo, qrow + 2 * c, sizeof lo);
-          std::memcpy(&hi, qrow + 2 * c + 1, sizeof hi);
-          words[c * 16 + lane] = lo >> 16 | (hi & 0xFFFF0000u);
+          uint32_t even, odd;
+          std::memcpy(&even, qrow + 2 * c, sizeof even);
+          std::memcpy(&odd, qrow + 2 * c + 1, sizeof odd);
+          words[c * 16 + lane] = even >> 16 | (odd & 0xFFFF0000u);
         }
       } else {
         for (int64_t d = 0; d < kD; ++d) b.q[d * 16 + lane] = qrow[d];
@@ -732,8 +733,8 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   else if (pr.BS % 16 == 0 && pr.D == 128) fn = &attend<128>;
 
   // Work items: each longer run (prefill, chunk) cut into blocks of kQueryBlock queries, one item
-  // each and first (the heavy ones); then the short runs (decodes), in batch order, in groups of
-  // kSeqGroup. Each item runs once per KV head.
+  // each and first (the heavy ones); then the short runs (decodes) in groups of up to kSeqGroup
+  // (below). Each item runs once per KV head.
   std::vector<Segment> segs;
   std::vector<std::pair<int64_t, int64_t>> items;  // (first segment, count)
   for (int64_t s = 0; s < num_seqs; ++s) {
