@@ -9,7 +9,7 @@ numbers bit for bit. Cases:
 - prefill: one 512-token chunk after 256 cached tokens (blocks of 16 queries);
 - mixed: the shared case's decodes next to a 128-token prefill.
 
-    python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40]
+    python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40] [--cold]
 """
 
 from __future__ import annotations
@@ -62,9 +62,12 @@ def main():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--min-lane-fill", type=int, default=native_cpu.MIN_LANE_FILL)
+    p.add_argument("--cold", action="store_true",
+                   help="evict the caches before each call (the step's weights do, between layers)")
     args = p.parse_args()
     assert native_cpu.available(), "the native kernel does not build here"
     rng = np.random.default_rng(0)
+    evict = np.zeros(16 << 20, np.float32)
     print(f"native attention, one layer, {args.dtype} pool, {jax.device_count()} device, reps {args.reps}")
     print(f"{'case':<8} {'lanes off ms':>13} {'lanes on ms':>12} {'ratio':>6}  same bits")
     for name, (seqs, shared) in CASES.items():
@@ -80,6 +83,8 @@ def main():
         times = {k: [] for k in fns}
         for _ in range(args.reps):
             for k, f in fns.items():
+                if args.cold:
+                    evict += 1.0   # writes 64 MB: more than this CPU's caches
                 t = time.perf_counter()
                 jax.block_until_ready(f(q, pool, tables, ctx, qsl))
                 times[k].append(time.perf_counter() - t)
