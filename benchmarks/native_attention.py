@@ -75,9 +75,8 @@ def main():
         fns = {}
         for lanes in (0, args.min_lane_fill):
             fns[lanes] = jax.jit(lambda q, pool, tables, ctx, qsl, lanes=lanes: native_cpu.paged_context_native(
-                q, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
-                max_q_len=q.shape[0], sliding_window=None, soft_cap=None, q_bf16=args.dtype == "bfloat16",
-                min_lane_fill=lanes))
+                q, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.dtype(args.dtype), max_q_len=q.shape[0],
+                sliding_window=None, soft_cap=None, q_bf16=args.dtype == "bfloat16", min_lane_fill=lanes))
         outs = {k: jax.block_until_ready(f(q, pool, tables, ctx, qsl)) for k, f in fns.items()}
         same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
         times = {k: [] for k in fns}

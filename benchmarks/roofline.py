@@ -125,8 +125,8 @@ def synthetic_step_time(engine: LLMEngine, num_seqs: int, q_tokens: int, context
         ids = [f"r{rep}-{i}" for i in range(num_seqs)]
         new = [NewRequestData(req_id=r, prompt_token_ids=[(7 * i + j) % 4000 + 100 for j in range(context + q_tokens)],
                               output_token_ids=[], sampling_params=params, seed=0,
-                              block_ids=list(range(1, 1 + common)) + list(range(
-                                  1 + common + i * (blocks_per_seq - common), 1 + common + (i + 1) * (blocks_per_seq - common))),
+                              block_ids=list(range(1, 1 + common)) + [
+                                  1 + common + i * (blocks_per_seq - common) + b for b in range(blocks_per_seq - common)],
                               num_computed_tokens=context) for i, r in enumerate(ids)]
         so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=[],
                              num_scheduled_tokens={r: q_tokens for r in ids},

@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a", nargs="*", default=[], help="NAME=VALUE settings of configuration A")
     ap.add_argument("--b", nargs="*", default=[], help="NAME=VALUE settings of configuration B")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--steps", default="64x1@256,1x512@256", help="SEQSxTOKENS@CONTEXT[/SHARED], comma-separated; SHARED: tokens of the "
-                    "context whose blocks every sequence shares (a cached prefix)")
+    ap.add_argument("--steps", default="64x1@256,1x512@256",
+                    help="SEQSxTOKENS@CONTEXT[/SHARED], comma-separated; SHARED: tokens of the context whose "
+                         "blocks every sequence shares (a cached prefix)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     engines = {"A": build(args.a, args), "B": build(args.b, args)}

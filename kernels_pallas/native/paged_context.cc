@@ -546,7 +546,8 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
   for (int64_t a = 0; a < n; ++a) {
     int64_t count = 0;
     for (int64_t i = 0; i < n; ++i)
-      count += runs[i].first_page == runs[a].first_page && table(runs[i], runs[i].first_page) == table(runs[a], runs[a].first_page);
+      count += runs[i].first_page == runs[a].first_page &&
+               table(runs[i], runs[i].first_page) == table(runs[a], runs[a].first_page);
     if (count > most) { most = count; anchor = a; }
   }
   const int64_t lo = runs[anchor].first_page;
