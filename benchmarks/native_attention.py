@@ -23,30 +23,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import native_cpu
+from kernels_pallas.oracle import make_batch
 
 QH, KVH, D, BS = 9, 3, 64, 16
 
 
-def make_case(seqs, shared_blocks, dtype, rng):
+def make_case(seqs, shared_blocks, dtype, seed):
     """seqs: (context, q_len) pairs; the first `shared_blocks` pages of every table are the same blocks."""
     need = [-(-ctx // BS) for ctx, _ in seqs]
-    num_blocks = shared_blocks + sum(n - min(n, shared_blocks) for n in need) + 1
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = np.zeros((len(seqs), max(need)), np.int32)
-    nxt = shared_blocks
-    for s, n in enumerate(need):
-        tables[s, :min(n, shared_blocks)] = perm[:min(n, shared_blocks)]
-        tables[s, shared_blocks:n] = perm[nxt:nxt + n - shared_blocks]
-        nxt += max(0, n - shared_blocks)
-    kv = rng.standard_normal((2, KVH, num_blocks, BS, D)).astype(np.float32)
+    q, kv, tables, ctx, qsl, num_seqs = make_batch(
+        seqs, seed=seed, num_tokens=sum(q for _, q in seqs), num_seq_slots=len(seqs), block_size=BS,
+        num_blocks=sum(need) + 1, max_blocks=max(need), num_kv_heads=KVH, group=QH // KVH, head_dim=D)
+    tables[1:, :shared_blocks] = tables[0, :shared_blocks]
     pool = jnp.asarray(kv) if dtype == "float32" else jnp.asarray(
         np.asarray(jnp.asarray(kv, jnp.bfloat16)).view(np.uint16))
-    qsl = np.concatenate([[0], np.cumsum([q for _, q in seqs])]).astype(np.int32)
-    q = (rng.standard_normal((int(qsl[-1]), QH, D)) * D ** -0.5).astype(np.float32)
+    q = q * np.float32(D ** -0.5)
     if dtype == "bfloat16":   # a bf16 model's q: its scores come from bf16 dot products
         q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
-    ctx = np.array([c for c, _ in seqs], np.int32)
-    return tuple(map(jnp.asarray, (q, pool, tables, ctx, qsl))) + (len(seqs),)
+    return tuple(map(jnp.asarray, (q, pool, tables, ctx, qsl))) + (int(num_seqs),)
 
 
 CASES = {
@@ -66,12 +60,11 @@ def main():
                    help="evict the caches before each call (the step's weights do, between layers)")
     args = p.parse_args()
     assert native_cpu.available(), "the native kernel does not build here"
-    rng = np.random.default_rng(0)
     evict = np.zeros(16 << 20, np.float32)
     print(f"native attention, one layer, {args.dtype} pool, {jax.device_count()} device, reps {args.reps}")
     print(f"{'case':<8} {'lanes off ms':>13} {'lanes on ms':>12} {'ratio':>6}  same bits")
-    for name, (seqs, shared) in CASES.items():
-        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, rng)
+    for seed, (name, (seqs, shared)) in enumerate(CASES.items()):
+        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, seed)
         fns = {}
         for lanes in (0, args.min_lane_fill):
             fns[lanes] = jax.jit(lambda q, pool, tables, ctx, qsl, lanes=lanes: native_cpu.paged_context_native(

@@ -561,18 +561,16 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
         ++p;
     shared[i] = p - lo;
   }
-  int64_t best_pages = 0, best_score = 0;
+  int64_t best_pages = 0, rows = 0;   // rows: those of the runs sharing best_pages pages
   for (int64_t c = 0; c < n; ++c) {   // candidate: fold the first shared[c] pages of the runs sharing that many
     const int64_t pages = shared[c];
-    int64_t rows = 0;
-    for (int64_t i = 0; i < n; ++i) rows += shared[i] >= pages ? runs[i].rows : 0;
-    if (pages == 0 || rows < pr.min_lane_fill * ((rows + 15) / 16)) continue;
-    if (rows * pages > best_score) { best_score = rows * pages; best_pages = pages; }
+    int64_t taken = 0;
+    for (int64_t i = 0; i < n; ++i) taken += shared[i] >= pages ? runs[i].rows : 0;
+    if (pages == 0 || taken < pr.min_lane_fill * ((taken + 15) / 16)) continue;
+    if (taken * pages > rows * best_pages) { rows = taken; best_pages = pages; }
   }
   if (best_pages == 0) return;
   const int64_t end = lo + best_pages;
-  int64_t rows = 0;
-  for (int64_t i = 0; i < n; ++i) rows += shared[i] >= best_pages ? runs[i].rows : 0;
   if ((rows + 15) / 16 > static_cast<int64_t>(w.blocks.size())) return;
   const int64_t QH = pr.QH, G = pr.G, num_blocks = (rows + 15) / 16;
   LaneBlock* blocks = w.blocks.data();
@@ -613,11 +611,9 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
     }
   }
   const int64_t page_elems = BS * kD, page_bytes = page_elems * (pr.bits_dtype ? 2 : 4);
-  const char* base = static_cast<const char*>(pr.kv);
   for (int64_t p = lo; p < end; ++p) {
     if (p + 1 < end) {   // the next pages into L2 while this one computes
-      const char* nk = base + pool_page(pr, runs[anchor], 0, h, p + 1) * page_bytes;
-      const char* nv = base + pool_page(pr, runs[anchor], 1, h, p + 1) * page_bytes;
+      const auto [nk, nv] = next_pages(pr, runs[anchor], h, p, page_bytes);
       for (int64_t line = 0; line < page_bytes; line += 64) {
         _mm_prefetch(nk + line, _MM_HINT_T1);
         _mm_prefetch(nv + line, _MM_HINT_T1);

@@ -1,6 +1,7 @@
 """`jaxserve serve` as a real process: SIGTERM mid-stream, and the default model with no model argument."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from jaxserve.cli import CPU_GLIBC_TUNABLES, wants_glibc_restart
 
 from .conftest import free_port
 
@@ -31,9 +34,6 @@ def start(args, timeout=600):
 
 
 def test_sigterm_finishes_in_flight_streams_and_exits_cleanly(tiny_models):
-    import os
-
-    from jaxserve.cli import CPU_GLIBC_TUNABLES, wants_glibc_restart
     proc, url = start([str(tiny_models["llama"]), "--max-model-len", "128", "--num-kv-blocks", "64",
                        "--max-num-batched-tokens", "16", "--max-num-seqs", "4", "--token-buckets", "4,16"])
     # On a CPU the server restarted itself (same pid) with glibc's malloc tunables; the signal
