@@ -8,6 +8,7 @@ does not divide the token count (padded tiles).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -252,11 +253,11 @@ def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, h
     if variant == "bf16_dot":
         q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
 
-    def attend(q, tables, ctx, qsl, num_seqs, fill):
-        return native_cpu.paged_context_native(
+    def attend(q, tables, ctx, qsl, num_seqs, fill):   # waited for: the counter is read right after
+        return jax.block_until_ready(native_cpu.paged_context_native(
             jnp.asarray(q * scale), pool, jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(qsl), num_seqs,
             bits_dtype=bits, max_q_len=q.shape[0], sliding_window=window, soft_cap=None,
-            q_bf16=variant == "bf16_dot", min_lane_fill=fill)
+            q_bf16=variant == "bf16_dot", min_lane_fill=fill))
 
     before = native_cpu.lane_block_pages()
     on = attend(q, tables, ctx, qsl, num_seqs, 10)
