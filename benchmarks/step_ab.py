@@ -6,7 +6,7 @@ alternately on the two engines, so machine noise hits both alike. Prints the med
 of each and the ratio B / A.
 
     python benchmarks/step_ab.py --a JAXSERVE_NATIVE_GEMM=1 --b JAXSERVE_NATIVE_GEMM=0 \\
-        [--dtype float32] [--steps 64x1@256,1x512@256,32x1@1104/1024] [--rounds 5]
+        [--dtype float32] [--steps 64x1@256,1x512@256,32x1@1104/1024] [--rounds 5] [--buckets 1,64,512]
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def build(env: list[str], args) -> LLMEngine:
     for item in env:
         name, _, value = item.partition("=")
         os.environ[name] = value
-    return LLMEngine.from_kwargs(None, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=512,
-                                 token_buckets=[64, 512])
+    buckets = sorted(int(b) for b in args.buckets.split(","))
+    return LLMEngine.from_kwargs(None, dtype=args.dtype, max_num_seqs=min(64, buckets[-1]),
+                                 max_num_batched_tokens=buckets[-1], token_buckets=buckets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="SEQSxTOKENS@CONTEXT[/SHARED], comma-separated; SHARED: tokens of the context whose "
                          "blocks every sequence shares (a cached prefix)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--buckets", default="64,512", help="the engines' token buckets (add 1 for batch-1 steps)")
     args = ap.parse_args(argv)
     engines = {"A": build(args.a, args), "B": build(args.b, args)}
     print(f"A: {' '.join(args.a) or '(default)'}   B: {' '.join(args.b) or '(default)'}   dtype {args.dtype}")

@@ -6,7 +6,9 @@
 // it lies gets ~90% at any row count.
 //
 // Inputs: x [M, K] and one or more weights w_i [K, N_i] (q/k/v, or gate/up, in one call), or
-// with `transposed` w_i [N_i, K] (the lm head on a [vocab, hidden] embedding), all float32 or all
+// with `transposed` output-major weights: each output's K values together in memory, as in a
+// [N_i, K] matrix (the lm head on a [vocab, hidden] embedding) or a projection kernel [K..., N...]
+// the engine stores with its K axes minor (the caller names that layout to XLA), all float32 or all
 // bfloat16 (raw 16-bit words). Outputs: y_i [M, N_i] float32 (the caller rounds them to its
 // dtype, as XLA's dot with a float32 result does).
 //
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "weights.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -385,9 +388,11 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    if (wd.size() != 2 || wd[transposed ? 1 : 0] != K)
-      return ffi::Error::InvalidArgument(transposed ? "gemm takes weights [N, K]" : "gemm takes weights [K, N]");
-    const int64_t n = wd[transposed ? 0 : 1];
+    const int64_t n = transposed ? jaxserve_native::output_major_columns(wd, static_cast<int64_t>(w->element_count()), K)
+                                 : (wd.size() == 2 && wd[0] == K ? wd[1] : -1);
+    if (n < 0)
+      return ffi::Error::InvalidArgument(transposed ? "gemm takes output-major weights ([N, K], or [K..., N...] "
+                                                      "with the K axes minor)" : "gemm takes weights [K, N]");
     if (w->element_type() != x.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
     if ((*y)->element_count() != static_cast<size_t>(M * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
     float* yp = (*y)->typed_data();
@@ -440,4 +445,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .RemainingArgs()                // weights w_i [K, N_i]
                                   .RemainingRets()                // results y_i [M, N_i] float32
-                                  .Attr<int64_t>("transposed"));  // 1: the weights are [N_i, K]
+                                  .Attr<int64_t>("transposed"));  // 1: output-major weights

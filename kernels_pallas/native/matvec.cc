@@ -5,9 +5,16 @@
 // converting the whole weight to float32 first; this reads each weight once, split over the
 // intra-op threads (parallel.h), in its stored type.
 //
-// Inputs: x [K] float32; one or more weights w_i [K, N_i] (transposed = 0: y_i[n] = sum_k x[k]
-// w_i[k, n]; q/k/v or gate/up in one call) or one [N, K] (transposed = 1: y[n] = sum_k w[n, k]
-// x[k], the lm head's layout), float32 or bfloat16. Outputs: y_i [N_i] float32.
+// Inputs: x [K] float32 and one or more weights, float32 or bfloat16, one call for q/k/v or
+// gate/up. transposed = 0: w_i [K, N_i], y_i[n] = sum_k x[k] w_i[k, n]. transposed = 1: each
+// output's K weights lie together in memory, as in a [N_i, K] matrix (the lm head's [vocab,
+// hidden]), or in a projection kernel of logical shape [K..., N...] that the engine stores
+// output-major (the K axes minor; the caller names that layout, so XLA hands the buffer over
+// as it lies); y_i[n] = sum_k w_i[n, k] x[k]. Outputs: y_i [N_i] float32.
+//
+// The output-major walk is the faster one: each thread reads one contiguous run of whole rows
+// with no partial sums to store, which streams ~1.15-1.5x faster here than the [K, N] walk's
+// bands of rows (benchmarks/RESULTS.md).
 
 #include <algorithm>
 #include <cstdint>
@@ -16,6 +23,7 @@
 #include "bits.h"
 #include "parallel.h"
 #include "simd.h"
+#include "weights.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,7 +32,6 @@ namespace {
 
 #ifdef __AVX512F__
 using jaxserve_native::load_bf16x16;
-using jaxserve_native::sum_lanes16;
 #endif
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -82,51 +89,63 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand
   }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return jaxserve_native::bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+}
 
-// 16 outputs y[n0 .. n0 + 16) of w [N, K] x for K a multiple of 16: each row's products summed
-// in one vector, the 16 vectors reduced together.
+// sum_k w[k] x[k]: two chains of 16-lane multiply-adds (a row is short: the loads of the next
+// rows overlap its chains), one horizontal sum.
 template <typename T>
-void dots16(const float* x, const T* w, float* y, int64_t K, int64_t n0) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(load16(w + (n0 + i) * K + k), xv, acc[i]);
+inline float dot_row(const float* x, const T* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
+    a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
   }
-  _mm512_storeu_ps(y + n0, sum_lanes16(acc));
+  for (; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+#else
+template <typename T>
+inline float dot_row(const float* x, const T* w, int64_t K) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t k = 0; k < K; ++k) sum += load(w, k) * x[k];
+  return sum;
 }
 #endif
 
-// w [N, K]: one dot product per output, outputs split over the threads (16 at a time where K
-// allows: one horizontal sum per 16 outputs instead of one each).
+// Output-major weights: one dot product per output. The outputs of every weight, end to end,
+// are cut into a few runs per thread (a late helper leaves less to the others); each run reads
+// its rows as one stream.
 template <typename T>
-void dots(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), chunks = std::min<int64_t>(N, 4 * threads);
-  jaxserve_native::parallel_for(pool, chunks, threads, [&](int64_t c) {
-    int64_t n = N * c / chunks;
-    const int64_t end = N * (c + 1) / chunks;
-#ifdef __AVX512F__
-    if (K % 16 == 0)
-      for (; n + 16 <= end; n += 16) dots16(x, w, y, K, n);
-#endif
-    for (; n < end; ++n) {
-      const T* row = w + n * K;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < K; ++k) sum += load(row, k) * x[k];
-      y[n] = sum;
+void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops, int64_t K) {
+  int64_t total = 0;
+  for (const Operand& op : ops) total += op.N;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(total, 4 * threads);
+  jaxserve_native::parallel_for(pool, runs, threads, [&](int64_t r) {
+    int64_t n = total * r / runs, end = total * (r + 1) / runs, first = 0;
+    for (const Operand& op : ops) {
+      const int64_t last = first + op.N;
+      const T* w = static_cast<const T*>(op.w);
+      for (; n < std::min(end, last); ++n) op.y[n - first] = dot_row(x, w + (n - first) * K, K);
+      first = last;
     }
   });
 }
 
 ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
                       int64_t transposed) {
-  if (ws.size() == 0 || ws.size() != ys.size() || (transposed && ws.size() != 1))
-    return ffi::Error::InvalidArgument("matvec takes one result per weight (one weight when transposed)");
+  if (ws.size() == 0 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("matvec takes one result per weight");
   const int64_t K = static_cast<int64_t>(x.element_count());
   std::vector<Operand> ops;
   ffi::DataType type = ffi::DataType::F32;
@@ -135,9 +154,9 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matvec: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2");
-    const int64_t k = transposed ? wd[1] : wd[0], n = transposed ? wd[0] : wd[1];
-    if (k != K || (*y)->element_count() != static_cast<size_t>(n))
+    const int64_t n = transposed ? jaxserve_native::output_major_columns(wd, static_cast<int64_t>(w->element_count()), K)
+                                 : (wd.size() == 2 && wd[0] == K ? wd[1] : -1);
+    if (n < 0 || (*y)->element_count() != static_cast<size_t>(n))
       return ffi::Error::InvalidArgument("x, w and y sizes disagree");
     if (w->element_type() != ffi::DataType::F32 && w->element_type() != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
@@ -147,11 +166,9 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   }
   const float* xp = x.typed_data();
   if (type == ffi::DataType::F32) {
-    transposed ? dots(pool, xp, static_cast<const float*>(ops[0].w), ops[0].y, K, ops[0].N)
-               : rows_times<float>(pool, xp, ops, K);
+    transposed ? dots<float>(pool, xp, ops, K) : rows_times<float>(pool, xp, ops, K);
   } else {
-    transposed ? dots(pool, xp, static_cast<const uint16_t*>(ops[0].w), ops[0].y, K, ops[0].N)
-               : rows_times<uint16_t>(pool, xp, ops, K);
+    transposed ? dots<uint16_t>(pool, xp, ops, K) : rows_times<uint16_t>(pool, xp, ops, K);
   }
   return ffi::Error::Success();
 }
@@ -164,4 +181,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatvec, MatvecImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .RemainingArgs()                // weights w_i
                                   .RemainingRets()                // results y_i float32
-                                  .Attr<int64_t>("transposed"));
+                                  .Attr<int64_t>("transposed"));  // 1: output-major weights
