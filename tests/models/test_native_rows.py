@@ -123,12 +123,14 @@ needs_gemm = pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m,k,n", [
     (2, 1, 1), (7, 33, 100), (13, 576, 192), (64, 576, 1536), (9, 577, 65), (6, 2051, 49), (64, 64, 48),
-    (5, 40, 1000),
+    (5, 40, 1000), (8, 100, 33), (16, 64, 7), (17, 48, 50),
 ], ids=lambda v: str(v))
 def test_matmul_against_numpy(m, k, n, dtype, transposed):
     """Every tail: rows past the last full tile, columns past the last full panel, odd K (bf16
     pairs), K over one 1,024-row block (partial sums added across blocks); a [N, K] weight
-    (`transposed`) also past the last full 16 x 16 block it is packed in."""
+    (`transposed`) also past the last full 16 x 16 block it is packed in, and with few rows (up to
+    8 in float32, 16 in bfloat16) the dot-product path: pairs of weight rows (an odd last row),
+    rows of x in groups of 8, K past the last full vector."""
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), dtype)
