@@ -72,6 +72,16 @@ def test_params_already_in_place_are_shared_not_copied(llm, original):
         llm.update_params(nnx.traversals.unflatten_mapping(original["params"]))
 
 
+def test_row_major_kernels_give_the_same_tokens(path, original, monkeypatch):
+    """JAXSERVE_OUTPUT_MAJOR=0 (the A/B switch) keeps every param in the default row-major layout;
+    the layout changes where the values lie, not the greedy or seeded tokens."""
+    monkeypatch.setenv("JAXSERVE_OUTPUT_MAJOR", "0")
+    plain = LLM(path, **OPTIONS)
+    layouts = [a.format.layout.major_to_minor for a in plain.engine.runner.param_arrays().values()]
+    assert all(m == tuple(range(len(m))) for m in layouts)
+    assert tokens(plain) == original["greedy"] and tokens(plain, SEEDED) == original["seeded"]
+
+
 def test_hugging_face_names_and_a_partial_update(llm, path, original):
     tensors = dict(load_hf_folder(path).tensors)
     doubled_mlp = {k: jnp.asarray(v) * 2 for k, v in tensors.items() if ".mlp." in k}
