@@ -506,8 +506,7 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    const int64_t n = transposed ? jaxserve_native::output_major_columns(wd, static_cast<int64_t>(w->element_count()), K)
-                                 : (wd.size() == 2 && wd[0] == K ? wd[1] : -1);
+    const int64_t n = jaxserve_native::weight_columns(wd, static_cast<int64_t>(w->element_count()), K, transposed);
     if (n < 0)
       return ffi::Error::InvalidArgument(transposed ? "gemm takes output-major weights ([N, K], or [K..., N...] "
                                                       "with the K axes minor)" : "gemm takes weights [K, N]");

@@ -154,8 +154,7 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matvec: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    const int64_t n = transposed ? jaxserve_native::output_major_columns(wd, static_cast<int64_t>(w->element_count()), K)
-                                 : (wd.size() == 2 && wd[0] == K ? wd[1] : -1);
+    const int64_t n = jaxserve_native::weight_columns(wd, static_cast<int64_t>(w->element_count()), K, transposed);
     if (n < 0 || (*y)->element_count() != static_cast<size_t>(n))
       return ffi::Error::InvalidArgument("x, w and y sizes disagree");
     if (w->element_type() != ffi::DataType::F32 && w->element_type() != ffi::DataType::BF16)

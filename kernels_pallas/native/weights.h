@@ -21,4 +21,10 @@ inline int64_t output_major_columns(xla::ffi::Span<const int64_t> dims, int64_t 
   return -1;
 }
 
+// N of a weight of the matmul kernels: [K, N] row-major, or output-major; -1 when it does not fit K.
+inline int64_t weight_columns(xla::ffi::Span<const int64_t> dims, int64_t count, int64_t K, bool output_major) {
+  if (output_major) return output_major_columns(dims, count, K);
+  return dims.size() == 2 && dims[0] == K ? dims[1] : -1;
+}
+
 }  // namespace jaxserve_native
