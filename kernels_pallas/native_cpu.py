@@ -24,7 +24,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import platform
 import shutil
@@ -41,7 +40,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc", "gemm.cc"))
-HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h", "simd.h", "weights.h"))
+HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h", "simd.h"))
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 GEMM_TARGET = "jaxserve_gemm"
@@ -168,13 +167,6 @@ def gemm_enabled() -> bool:
     return os.environ.get("JAXSERVE_NATIVE_GEMM", "1") != "0"
 
 
-def output_major_enabled() -> bool:
-    """True when the engine stores projection kernels output-major on the CPU: the native matvec
-    and matmul take every projection there (so no XLA dot ever reads that layout), and
-    JAXSERVE_OUTPUT_MAJOR is not 0 (the A/B switch; read when an engine is built)."""
-    return os.environ.get("JAXSERVE_OUTPUT_MAJOR", "1") != "0" and gemm_enabled() and gemm_available()
-
-
 def prefill_enabled() -> bool:
     """False when JAXSERVE_NATIVE_PREFILL=0: the `cpu` attention traced from then on sends only
     decodes to the native kernel and longer runs to the jnp tiles (A/B benchmarks)."""
@@ -223,100 +215,74 @@ def lane_fill_setting(value: int | None = None) -> int:
     return value
 
 
-def output_major_layout(ndim: int, k_axes: int) -> tuple[int, ...]:
-    """The major-to-minor axis order that stores a kernel [K..., N...] (its first `k_axes` axes
-    contract) output-major: each output's K values together in memory, as in torch's [out, in]."""
-    if not 0 < k_axes < ndim:
-        raise ValueError(f"a kernel of rank {ndim} cannot have {k_axes} contraction axes")
-    return tuple(range(k_axes, ndim)) + tuple(range(k_axes))
-
-
-def _weights(ws, k: int, transposed: bool, k_axes: int, what: str, mismatch: str):
-    """(weights, their N, the FFI input layouts) after checking them against x's K; `mismatch`:
-    the error's start when a weight does not fit x."""
-    ws = tuple(ws)
-    if not ws or len({w.dtype for w in ws}) != 1 or any(w.dtype not in (jnp.float32, jnp.bfloat16) for w in ws):
-        raise ValueError(f"{what} takes float32 or bfloat16 weights of one dtype, got "
-                         f"{[f'{w.dtype}{list(w.shape)}' for w in ws]}")
-    if k_axes:
-        if transposed:
-            raise ValueError("k_axes (output-major kernels) and transposed are exclusive")
-        if any(w.ndim <= k_axes or math.prod(w.shape[:k_axes]) != k for w in ws):
-            raise ValueError(f"{mismatch}: the product of a kernel's first {k_axes} axes must be {k}, got "
-                             f"{[list(w.shape) for w in ws]}")
-        return ws, tuple(math.prod(w.shape[k_axes:]) for w in ws), [output_major_layout(w.ndim, k_axes) for w in ws]
-    k_axis = 1 if transposed else 0
-    if any(w.ndim != 2 or w.shape[k_axis] != k for w in ws):
-        raise ValueError(f"{mismatch}: w must be {'[N, K]' if transposed else '[K, N]'} with K = {k}, got "
-                         f"{[list(w.shape) for w in ws]}")
-    return ws, tuple(w.shape[1 - k_axis] for w in ws), [None] * len(ws)
-
-
-def matvec(x, w, *, transposed: bool = False, k_axes: int = 0):
+def matvec(x, w, *, transposed: bool = False):
     """One-row matmul on the CPU: x [K] float32 times w [K, N] (or [N, K] when `transposed`,
-    y = w @ x; or, with `k_axes`, a kernel [K..., N...] stored output-major), w float32 or
-    bfloat16 -> y [N] float32. Call `available()` first."""
-    return matvecs(x, [w], transposed=transposed, k_axes=k_axes)[0]
+    y = w @ x), w float32 or bfloat16 -> y [N] float32. Call `available()` first."""
+    return matvecs(x, [w], transposed=transposed)[0]
 
 
-def matvecs(x, ws, *, transposed: bool = False, k_axes: int = 0):
-    """[x w for w in ws] for one row x [K] and weights of one dtype (q/k/v, gate/up): one call, one
-    fan-out to the threads. The weights are [K, N_i]; with `transposed`, [N_i, K]; with `k_axes`
-    > 0, kernels [K..., N_i...] whose first k_axes axes contract with x, which the caller stores
-    output-major (`output_major_layout`; any other layout is copied into it by XLA first, so the
-    result is the same, only slower). Output-major weights stream fastest (`native/matvec.cc`)."""
-    ws, ns, layouts = _weights(ws, x.size, transposed, k_axes, "matvec", f"x has {x.size} elements")
-    outs = tuple(jax.ShapeDtypeStruct((n,), jnp.float32) for n in ns)
-    call = jax.ffi.ffi_call(MATVEC_TARGET, outs, input_layouts=[None, *layouts])
-    return list(call(x.reshape(x.size).astype(jnp.float32), *ws, transposed=np.int64(transposed or k_axes > 0)))
+def matvecs(x, ws, *, transposed: bool = False):
+    """[x w for w in ws] for one row x [K] and weights [K, N_i] of one dtype (q/k/v, gate/up): one
+    call, one fan-out to the threads; with `transposed`, one [N, K] weight. As `matvec` otherwise."""
+    ws = tuple(ws)
+    for w in ws:
+        if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"matvec takes a float32 or bfloat16 matrix, got {w.dtype}{list(w.shape)}")
+        k = w.shape[1] if transposed else w.shape[0]
+        if x.size != k:
+            raise ValueError(f"x has {x.size} elements, w {list(w.shape)} needs {k}")
+    if not ws or len({w.dtype for w in ws}) != 1 or (transposed and len(ws) != 1):
+        raise ValueError(f"matvecs takes weights of one dtype (one when transposed), got "
+                         f"{[f'{w.dtype}{list(w.shape)}' for w in ws]}")
+    outs = tuple(jax.ShapeDtypeStruct((w.shape[0] if transposed else w.shape[1],), jnp.float32) for w in ws)
+    call = jax.ffi.ffi_call(MATVEC_TARGET, outs)
+    return list(call(x.reshape(x.size).astype(jnp.float32), *ws, transposed=np.int64(transposed)))
 
 
-def matmul(x, w, *, transposed: bool = False, k_axes: int = 0):
+def matmul(x, w, *, transposed: bool = False):
     """x [M, K] times w [K, N] (or w [N, K] when `transposed`: x w^T, the lm head on a [vocab, hidden]
-    embedding; or with `k_axes`, a kernel [K..., N...] stored output-major, as in `matvecs`)
-    -> [M, N] float32; x and w both float32 or both bfloat16.
+    embedding) -> [M, N] float32; x and w both float32 or both bfloat16.
 
     Register-tiled on the CPU (`native/gemm.cc`); float32 sums in float32 FMAs, bfloat16 in
     `vdpbf16ps` pairs. Differentiable (the backward pass is jnp dots), so a model's training
     path may run through it. Call `gemm_available()` first.
     """
-    return matmuls(x, [w], transposed=transposed, k_axes=k_axes)[0]
+    return matmuls(x, [w], transposed=transposed)[0]
 
 
-def matmuls(x, ws, *, transposed: bool = False, k_axes: int = 0):
+def matmuls(x, ws, *, transposed: bool = False):
     """[x w for w in ws]: the projections that read the same x (q/k/v, gate/up) in one call and one
     work split (fewer, larger jobs for the threads); as `matmul` otherwise."""
-    layout = "[K..., N...] output-major" if k_axes else "[N, K]" if transposed else "[K, N]"
-    mismatch = f"matmul takes x [M, K] and w {layout}, got x {list(x.shape)}"
-    if x.ndim != 2:
-        raise ValueError(mismatch)
-    ws, _, _ = _weights(ws, x.shape[1], transposed, k_axes, "matmul", mismatch)
+    ws = tuple(ws)
+    k_axis = 1 if transposed else 0
+    if x.ndim != 2 or not ws or any(w.ndim != 2 or w.shape[k_axis] != x.shape[1] for w in ws):
+        raise ValueError(f"matmul takes x [M, K] and w {'[N, K]' if transposed else '[K, N]'}, got "
+                         f"{list(x.shape)} and {[list(w.shape) for w in ws]}")
     if any(w.dtype != x.dtype for w in ws) or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmul takes float32 or bfloat16 operands of one dtype, got {x.dtype} and "
                          f"{[str(w.dtype) for w in ws]}")
-    return list(_matmuls(x, ws, transposed, k_axes))
+    return list(_matmuls(x, ws, transposed))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmuls(x, ws, transposed, k_axes):
-    _, ns, layouts = _weights(ws, x.shape[1], transposed, k_axes, "matmul", "matmul")
-    call = jax.ffi.ffi_call(GEMM_TARGET, tuple(jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32) for n in ns),
-                            input_layouts=[None, *layouts])
-    return tuple(call(x, *ws, transposed=np.int64(transposed or k_axes > 0)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmuls(x, ws, transposed):
+    n_axis = 0 if transposed else 1
+    call = jax.ffi.ffi_call(GEMM_TARGET, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
+                                               for w in ws))
+    return tuple(call(x, *ws, transposed=np.int64(transposed)))
 
 
-def _matmuls_fwd(x, ws, transposed, k_axes):
-    return _matmuls(x, ws, transposed, k_axes), (x, ws)
+def _matmuls_fwd(x, ws, transposed):
+    return _matmuls(x, ws, transposed), (x, ws)
 
 
-def _matmuls_bwd(transposed, k_axes, residuals, gs):
+def _matmuls_bwd(transposed, residuals, gs):
     x, ws = residuals
     x32 = x.astype(jnp.float32)
-    k = x.shape[1]
-    kn = [w.astype(jnp.float32).T if transposed else w.astype(jnp.float32).reshape(k, -1) for w in ws]  # [K, N]
+    kn = [w.astype(jnp.float32).T if transposed else w.astype(jnp.float32) for w in ws]   # each as [K, N]
     dx = sum(jnp.dot(g, w.T) for g, w in zip(gs, kn)).astype(x.dtype)
     dws = (jnp.dot(x32.T, g) for g in gs)
-    return dx, tuple((dw.T if transposed else dw.reshape(w.shape)).astype(w.dtype) for dw, w in zip(dws, ws))
+    return dx, tuple((dw.T if transposed else dw).astype(w.dtype) for dw, w in zip(dws, ws))
 
 
 _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)

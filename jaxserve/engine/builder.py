@@ -23,7 +23,6 @@ from jaxserve.core import Scheduler, SchedulerConfig
 from jaxserve.engine.devices import activation_bytes, kv_pool_bytes, resolve_dtype
 from jaxserve.engine.weights import checked_update, flat_params, path_name
 from jaxserve.models import ModelConfig, get_model_class, load_weights
-from jaxserve.models.layers import store_output_major
 from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import Tokenizer
 from kernels_pallas import native_cpu
@@ -223,9 +222,6 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
     model, checkpoint_model_config = build_model(checkpoint, config.dtype, config.seed, mesh=meshes[0],
                                                   attention_backend=attention_backend, params=params)
     model, model_config = with_replicated_kv_heads(model, checkpoint_model_config, kv_replicas, config.dtype)
-    if attention_backend == "cpu" and config.tensor_parallel_size == 1 and native_cpu.output_major_enabled():
-        logger.info("projection kernels stored output-major for the native CPU kernels (%d kernels)",
-                    store_output_major(model))
     times["build_model"] = time.perf_counter() - t0
 
     # The pool is sized once the weights are on the device, so that its memory report counts them.

@@ -91,8 +91,8 @@ def checked_update(current: dict[Path, jax.Array], new: dict[Path, Any], *, cast
         target = current[path]
         if value.dtype != target.dtype:
             value = value.astype(target.dtype)
-        if target.sharding is not None:   # its format too: the order in memory the compiled steps expect
-            value = jax.device_put(value, getattr(target, "format", None) or target.sharding)
+        if target.sharding is not None:
+            value = jax.device_put(value, target.sharding)
         elif not isinstance(value, jax.Array):
             value = jnp.asarray(value)     # host arrays go to the default device (the runner places them)
         placed[path] = value

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.layout import Format, Layout
 
 from jaxserve.models.config import ModelConfig, RopeScaling
 from jaxserve.models.metadata import AttentionMetadata
@@ -43,11 +42,6 @@ class Proj(nnx.Einsum):
     through the native CPU matvec, which streams the weight in place,
     and 2+ rows through the native register-tiled matmul (`native_cpu.matmul`, 1.1-2x XLA's
     rate at the model's shapes, most at decode-sized row counts; benchmarks/RESULTS.md).
-
-    `output_major` (set by `store_output_major`): the engine stores the kernel output-major (each
-    output's weights together in memory, as torch's [out, in]) while its shape stays [K..., N...],
-    and the native kernels read it where it lies. A one-row product streams it faster that way
-    (benchmarks/RESULTS.md).
     """
 
     def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *, dtype, param_dtype, rngs: nnx.Rngs,
@@ -58,8 +52,6 @@ class Proj(nnx.Einsum):
         rhs, out = rest.split("->")
         # Only "t<c>,<c><o>->t<o>" contractions (every projection here) map onto x [K] . W [K, N].
         self.native_rows = native_rows and rhs.startswith(lhs[1:]) and out == "t" + rhs[len(lhs) - 1:]
-        self.k_axes = len(lhs) - 1                   # the kernel's leading axes that contract with x
-        self.output_major = False
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
@@ -80,34 +72,15 @@ def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
     the native matvec (one row) or matmul: one work split instead of several small ones."""
     kernels = [p.kernel[...] for p in projs]
     rows, depth = x.shape[0], x[0].size
-    if all(p.output_major for p in projs):    # stored output-major: passed as they lie (a reshape would copy)
-        ws, layout = kernels, dict(k_axes=x.ndim - 1)
-    else:
-        ws, layout = [k.reshape(depth, -1) for k in kernels], {}
+    flat = [k.reshape(depth, -1) for k in kernels]
     if all(p.native_rows and native_matvec_ok(x, k) for p, k in zip(projs, kernels)) and len(set(
             k.dtype for k in kernels)) == 1:     # one row (batch-1 decode): one native matvec call
-        ys = native_cpu.matvecs(x, ws, **layout)
+        ys = native_cpu.matvecs(x, flat)
     elif all(p.native_rows and native_gemm_ok(x, k) for p, k in zip(projs, kernels)):
-        ys = native_cpu.matmuls(x.reshape(rows, depth), ws, **layout)
+        ys = native_cpu.matmuls(x.reshape(rows, depth), flat)
     else:
         return [p(x) for p in projs]
     return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
-
-
-def store_output_major(model: nnx.Module) -> int:
-    """Store the kernels of the model's native projections output-major, in place (one at a time,
-    so the old copy goes as the new one comes), and make those projections read them so. Shapes,
-    values and shardings do not change: only the order in memory (`native_cpu.output_major_layout`).
-    Returns how many kernels moved. Before the model is traced."""
-    moved = 0
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, Proj) and module.native_rows:
-            kernel = module.kernel[...]
-            order = native_cpu.output_major_layout(kernel.ndim, module.k_axes)
-            module.kernel.set_value(jax.device_put(kernel, Format(Layout(major_to_minor=order), kernel.sharding)))
-            module.output_major = True
-            moved += 1
-    return moved
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:

@@ -231,11 +231,12 @@ class ModelRunner:
         """Move the weights to host memory (the device arrays are dropped, not deleted: a caller
         sharing them keeps them); `reload_params` puts them back on their shardings."""
         flat = self.param_arrays()
-        self._offloaded = {path: (np.asarray(a), a.format) for path, a in flat.items()}   # format: sharding, layout
+        self._offloaded = {path: (np.asarray(a), a.sharding) for path, a in flat.items()}
         self.replace_params({path: None for path in flat})
 
     def reload_params(self) -> None:
-        self.replace_params({path: jax.device_put(host, fmt) for path, (host, fmt) in self._offloaded.items()})
+        self.replace_params({path: jax.device_put(host, sharding)
+                             for path, (host, sharding) in self._offloaded.items()})
         self._offloaded = None
 
     # ---- whole blocks in and out (disaggregated prefill/decode) -------------------------

@@ -6,9 +6,7 @@
 // it lies gets ~90% at any row count.
 //
 // Inputs: x [M, K] and one or more weights w_i [K, N_i] (q/k/v, or gate/up, in one call), or
-// with `transposed` output-major weights: each output's K values together in memory, as in a
-// [N_i, K] matrix (the lm head on a [vocab, hidden] embedding) or a projection kernel [K..., N...]
-// the engine stores with its K axes minor (the caller names that layout to XLA), all float32 or all
+// with `transposed` w_i [N_i, K] (the lm head on a [vocab, hidden] embedding), all float32 or all
 // bfloat16 (raw 16-bit words). Outputs: y_i [M, N_i] float32 (the caller rounds them to its
 // dtype, as XLA's dot with a float32 result does).
 //
@@ -32,8 +30,6 @@
 #include <vector>
 
 #include "parallel.h"
-#include "simd.h"
-#include "weights.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -375,123 +371,6 @@ void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops
   });
 }
 
-// ---- a few rows against output-major weights: dot products, no packing ---------------------
-//
-// With few rows the products are bound by reading the weight, and packing each panel (16 x 16
-// transposes) costs more than it saves. Each weight row is read once, as one stream, against
-// every row of x (in L1): per 16 values of k (32 for bf16 pairs), two weight rows times up to 8
-// rows of x into 16 vector sums, reduced together at the end (sum_lanes16); more rows of x take
-// the pair again from L1. Up to kDotRowsF32 / kDotRowsBf16 rows this beats the packed tiles here
-// (benchmarks/RESULTS.md); past that the tiles' register blocking wins.
-
-constexpr int64_t kDotRowsF32 = 8, kDotRowsBf16 = 16;
-constexpr int64_t kPrefetchPairs = 3;
-
-inline __m512 load_x(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_x(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
-inline __m512 load_x(const float* p, int64_t n) {   // the first n < 16 values, zeros after
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-}
-inline __m512 load_x(const uint16_t* p, int64_t n) {   // n < 32
-  return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p));
-}
-// acc + x . w lane-wise: 16 float products, or 16 sums of two bf16 products (`vdpbf16ps`)
-inline __m512 dot_step(__m512 acc, __m512 x, __m512 w, float) { return _mm512_fmadd_ps(x, w, acc); }
-inline __m512 dot_step(__m512 acc, __m512 x, __m512 w, uint16_t) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(x), (__m512bh)_mm512_castps_si512(w));
-}
-
-// Rows n, n + 1 (or n alone when `two` is false) of w [N, K] times the M rows of x into y[m, n].
-template <int M, typename T>
-void dot_rows_pair(const T* x, const T* w, float* y, int64_t K, int64_t N, int64_t n, bool two, bool fetch) {
-  constexpr int64_t kStep = sizeof(T) == 4 ? 16 : 32;   // values of k per vector
-  __m512 a0[M], a1[M];
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-  const T* w0 = w + n * K;
-  const T* w1 = two ? w0 + K : w0;
-  // The rows three pairs on, into L2: with 2M multiply-adds per line the loop consumes too slowly
-  // for the CPU to keep enough lines in flight by itself (~13 GB/s at M = 8 without, ~28 with).
-  const T* ahead = fetch && n + kPrefetchPairs * 2 + 1 < N ? w0 + kPrefetchPairs * 2 * K : nullptr;
-  int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) {
-    if (ahead != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + K + k), _MM_HINT_T1);
-    }
-    const __m512 u0 = load_x(w0 + k), u1 = load_x(w1 + k);
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const __m512 xv = load_x(x + i * K + k);
-      a0[i] = dot_step(a0[i], xv, u0, T());
-      a1[i] = dot_step(a1[i], xv, u1, T());
-    }
-  }
-  if (k < K) {
-    const __m512 u0 = load_x(w0 + k, K - k), u1 = load_x(w1 + k, K - k);
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const __m512 xv = load_x(x + i * K + k, K - k);
-      a0[i] = dot_step(a0[i], xv, u0, T());
-      a1[i] = dot_step(a1[i], xv, u1, T());
-    }
-  }
-  __m512 v[16];   // rows of x in lanes 0..M-1 (weight row n) and 8..8+M-1 (row n + 1)
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) v[i] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) {
-    v[i] = a0[i];
-    v[8 + i] = a1[i];
-  }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, jaxserve_native::sum_lanes16(v));
-  for (int i = 0; i < M; ++i) {
-    y[i * N + n] = sums[i];
-    if (two) y[i * N + n + 1] = sums[8 + i];
-  }
-}
-
-// Rows n, n + 1 of w times every row of x, 8 rows at a time (the pair stays in L1 after the first 8).
-template <typename T>
-void dot_rows_all(const T* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n, bool two) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const T* xs = x + m0 * K;
-    float* ys = y + m0 * N;
-    const bool fetch = m0 == 0;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: dot_rows_pair<1>(xs, w, ys, K, N, n, two, fetch); break;
-      case 2: dot_rows_pair<2>(xs, w, ys, K, N, n, two, fetch); break;
-      case 3: dot_rows_pair<3>(xs, w, ys, K, N, n, two, fetch); break;
-      case 4: dot_rows_pair<4>(xs, w, ys, K, N, n, two, fetch); break;
-      case 5: dot_rows_pair<5>(xs, w, ys, K, N, n, two, fetch); break;
-      case 6: dot_rows_pair<6>(xs, w, ys, K, N, n, two, fetch); break;
-      case 7: dot_rows_pair<7>(xs, w, ys, K, N, n, two, fetch); break;
-      default: dot_rows_pair<8>(xs, w, ys, K, N, n, two, fetch); break;
-    }
-  }
-}
-
-// Output-major weights times a few rows: the pairs of weight rows of every operand, end to end,
-// cut into a few runs per thread (a late helper leaves less to the others).
-template <typename T>
-void dot_rows(ffi::ThreadPool& pool, const T* x, const std::vector<Operand>& ops, int64_t M, int64_t K) {
-  int64_t total = 0;
-  for (const Operand& op : ops) total += (op.N + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(total, 4 * threads);
-  jaxserve_native::parallel_for(pool, runs, threads, [&](int64_t r) {
-    int64_t pair = total * r / runs, end = total * (r + 1) / runs, first = 0;
-    for (const Operand& op : ops) {
-      const int64_t pairs = (op.N + 1) / 2;
-      for (; pair < std::min(end, first + pairs); ++pair) {
-        const int64_t n = 2 * (pair - first);
-        dot_rows_all(x, static_cast<const T*>(op.w), op.y, M, K, op.N, n, n + 1 < op.N);
-      }
-      first += pairs;
-    }
-  });
-}
-
 // x [M, K] times each weight w_i [K, N_i] (the remaining arguments) into y_i [M, N_i] (the
 // results): one call, one work split, for the projections that read the same x.
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
@@ -506,10 +385,9 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    const int64_t n = jaxserve_native::weight_columns(wd, static_cast<int64_t>(w->element_count()), K, transposed);
-    if (n < 0)
-      return ffi::Error::InvalidArgument(transposed ? "gemm takes output-major weights ([N, K], or [K..., N...] "
-                                                      "with the K axes minor)" : "gemm takes weights [K, N]");
+    if (wd.size() != 2 || wd[transposed ? 1 : 0] != K)
+      return ffi::Error::InvalidArgument(transposed ? "gemm takes weights [N, K]" : "gemm takes weights [K, N]");
+    const int64_t n = wd[transposed ? 0 : 1];
     if (w->element_type() != x.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
     if ((*y)->element_count() != static_cast<size_t>(M * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
     float* yp = (*y)->typed_data();
@@ -517,16 +395,6 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     if (K > 0 && M > 0 && n > 0) ops.push_back({w->untyped_data(), yp, n});
   }
   if (ops.empty()) return ffi::Error::Success();
-  if (transposed) {
-    if (x.element_type() == ffi::DataType::F32 && M <= kDotRowsF32) {
-      dot_rows(pool, static_cast<const float*>(x.untyped_data()), ops, M, K);
-      return ffi::Error::Success();
-    }
-    if (x.element_type() == ffi::DataType::BF16 && M <= kDotRowsBf16) {
-      dot_rows(pool, static_cast<const uint16_t*>(x.untyped_data()), ops, M, K);
-      return ffi::Error::Success();
-    }
-  }
   if (x.element_type() == ffi::DataType::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
     for_items<float>(pool, M, ops, NR_F32, MR_F32, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
@@ -572,4 +440,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .RemainingArgs()                // weights w_i [K, N_i]
                                   .RemainingRets()                // results y_i [M, N_i] float32
-                                  .Attr<int64_t>("transposed"));  // 1: output-major weights
+                                  .Attr<int64_t>("transposed"));  // 1: the weights are [N_i, K]

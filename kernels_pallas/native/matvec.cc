@@ -5,16 +5,9 @@
 // converting the whole weight to float32 first; this reads each weight once, split over the
 // intra-op threads (parallel.h), in its stored type.
 //
-// Inputs: x [K] float32 and one or more weights, float32 or bfloat16, one call for q/k/v or
-// gate/up. transposed = 0: w_i [K, N_i], y_i[n] = sum_k x[k] w_i[k, n]. transposed = 1: each
-// output's K weights lie together in memory, as in a [N_i, K] matrix (the lm head's [vocab,
-// hidden]), or in a projection kernel of logical shape [K..., N...] that the engine stores
-// output-major (the K axes minor; the caller names that layout, so XLA hands the buffer over
-// as it lies); y_i[n] = sum_k w_i[n, k] x[k]. Outputs: y_i [N_i] float32.
-//
-// The output-major walk is the faster one: each thread reads one contiguous run of whole rows
-// with no partial sums to store, which streams ~1.15-1.5x faster here than the [K, N] walk's
-// bands of rows (benchmarks/RESULTS.md).
+// Inputs: x [K] float32; one or more weights w_i [K, N_i] (transposed = 0: y_i[n] = sum_k x[k]
+// w_i[k, n]; q/k/v or gate/up in one call) or one [N, K] (transposed = 1: y[n] = sum_k w[n, k]
+// x[k], the lm head's layout), float32 or bfloat16. Outputs: y_i [N_i] float32.
 
 #include <algorithm>
 #include <cstdint>
@@ -23,7 +16,6 @@
 #include "bits.h"
 #include "parallel.h"
 #include "simd.h"
-#include "weights.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -97,8 +89,10 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return jaxserve_native::bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
 }
 
-// sum_k w[k] x[k]: two chains of 16-lane multiply-adds (a row is short: the loads of the next
-// rows overlap its chains), one horizontal sum.
+// sum_k w[k] x[k] of one [N, K] row: two chains of 16-lane multiply-adds (rows are short: the
+// loads of the next rows overlap these chains), one horizontal sum. One row at a time, each
+// thread's run of rows is one stream through memory; 16 rows side by side (16 streams) read
+// the lm head ~1.3x slower here (benchmarks/RESULTS.md).
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -123,29 +117,20 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
 }
 #endif
 
-// Output-major weights: one dot product per output. The outputs of every weight, end to end,
-// are cut into a few runs per thread (a late helper leaves less to the others); each run reads
-// its rows as one stream.
+// w [N, K]: one dot product per output, the outputs cut into a few runs per thread (a late
+// helper leaves less to the others).
 template <typename T>
-void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops, int64_t K) {
-  int64_t total = 0;
-  for (const Operand& op : ops) total += op.N;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(total, 4 * threads);
+void dots(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(N, 4 * threads);
   jaxserve_native::parallel_for(pool, runs, threads, [&](int64_t r) {
-    int64_t n = total * r / runs, end = total * (r + 1) / runs, first = 0;
-    for (const Operand& op : ops) {
-      const int64_t last = first + op.N;
-      const T* w = static_cast<const T*>(op.w);
-      for (; n < std::min(end, last); ++n) op.y[n - first] = dot_row(x, w + (n - first) * K, K);
-      first = last;
-    }
+    for (int64_t n = N * r / runs, end = N * (r + 1) / runs; n < end; ++n) y[n] = dot_row(x, w + n * K, K);
   });
 }
 
 ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
                       int64_t transposed) {
-  if (ws.size() == 0 || ws.size() != ys.size())
-    return ffi::Error::InvalidArgument("matvec takes one result per weight");
+  if (ws.size() == 0 || ws.size() != ys.size() || (transposed && ws.size() != 1))
+    return ffi::Error::InvalidArgument("matvec takes one result per weight (one weight when transposed)");
   const int64_t K = static_cast<int64_t>(x.element_count());
   std::vector<Operand> ops;
   ffi::DataType type = ffi::DataType::F32;
@@ -154,8 +139,9 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("matvec: a weight or result of a wrong type");
     const auto wd = w->dimensions();
-    const int64_t n = jaxserve_native::weight_columns(wd, static_cast<int64_t>(w->element_count()), K, transposed);
-    if (n < 0 || (*y)->element_count() != static_cast<size_t>(n))
+    if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be rank 2");
+    const int64_t k = transposed ? wd[1] : wd[0], n = transposed ? wd[0] : wd[1];
+    if (k != K || (*y)->element_count() != static_cast<size_t>(n))
       return ffi::Error::InvalidArgument("x, w and y sizes disagree");
     if (w->element_type() != ffi::DataType::F32 && w->element_type() != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
@@ -165,9 +151,11 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   }
   const float* xp = x.typed_data();
   if (type == ffi::DataType::F32) {
-    transposed ? dots<float>(pool, xp, ops, K) : rows_times<float>(pool, xp, ops, K);
+    transposed ? dots(pool, xp, static_cast<const float*>(ops[0].w), ops[0].y, K, ops[0].N)
+               : rows_times<float>(pool, xp, ops, K);
   } else {
-    transposed ? dots<uint16_t>(pool, xp, ops, K) : rows_times<uint16_t>(pool, xp, ops, K);
+    transposed ? dots(pool, xp, static_cast<const uint16_t*>(ops[0].w), ops[0].y, K, ops[0].N)
+               : rows_times<uint16_t>(pool, xp, ops, K);
   }
   return ffi::Error::Success();
 }
@@ -180,4 +168,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatvec, MatvecImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .RemainingArgs()                // weights w_i
                                   .RemainingRets()                // results y_i float32
-                                  .Attr<int64_t>("transposed"));  // 1: output-major weights
+                                  .Attr<int64_t>("transposed"));
