@@ -175,9 +175,8 @@ class ModelRunner:
         # Pin the returned pool to the pool's own sharding; otherwise XLA may pick another
         # and the next call, seeing a new input sharding, would compile again.
         rep = replicated(self.mesh)
-        self._param_tree = jax.tree.structure(self.params)
         self._refresh_param_leaves()
-        step = functools.partial(_step_from_leaves, self.graphdef, self._param_tree, self.max_logprobs)
+        step = functools.partial(_step_from_leaves, self.graphdef, jax.tree.structure(self.params), self.max_logprobs)
         kv_out = [kv_sharding] * config.num_hidden_layers
         self.step = jax.jit(step, donate_argnums=(1,), out_shardings=(kv_out, *[rep] * 4))
         self.prompt_logprobs_step = jax.jit(step, donate_argnums=(1,), out_shardings=(kv_out, *[rep] * 7))

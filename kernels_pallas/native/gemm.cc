@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -45,7 +46,7 @@ namespace {
 constexpr int64_t KC = 1024;  // K per block: a panel (KC x 64 bf16 or KC x 48 f32) stays in L2
 constexpr int64_t kPrefetchRows = 12;  // how far ahead (in weight rows) a panel's first pass prefetches
 
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+using jaxserve_native::tail_mask;
 
 // ---- float32: MR rows x NV vectors of 16 columns, the last vector masked to `last` -----------
 

@@ -102,7 +102,7 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
     a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
   }
   for (; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    const __mmask16 m = jaxserve_native::tail_mask(K - k);
     a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));

@@ -13,6 +13,9 @@ inline __m512 bf16x16_to_f32(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// The first min(n, 16) lanes (n >= 0): a masked load or store of a row's last vector.
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
 inline __m512 load_bf16x16(const uint16_t* p) {
   return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
