@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import logging
-import os
-import platform
 import sys
 
 from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, DTYPES, EngineConfig
@@ -314,46 +311,9 @@ def _router(args: argparse.Namespace) -> int:
                         api_key=args.api_key, startup_timeout_s=args.startup_timeout_s)
 
 
-# glibc gives allocations above 32 MB back to the kernel when they are freed and maps them afresh
-# the next time. XLA:CPU's temporary buffer of a step is one (the sampler's [rows, vocab] arrays:
-# 63 MB at 64 rows of the default model), so every step paid ~8k page faults. These keep it in
-# the heap (benchmarks/RESULTS.md, "glibc's malloc tunables, set by the CLI"); freed memory then
-# stays with the process.
-CPU_GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
-_RESTARTED = "JAXSERVE_RESTARTED_WITH_GLIBC_TUNABLES"
-_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu", "jax_rocm7_plugin")
-
-
-def wants_glibc_restart(command: str | None, environ=os.environ) -> bool:
-    """True for `serve` and `run-batch` on a CPU-only JAX with glibc when the environment sets no
-    GLIBC_TUNABLES (a user's own setting wins) and JAXSERVE_GLIBC_TUNABLES is not 0."""
-    if command not in ("serve", "run-batch") or "GLIBC_TUNABLES" in environ or _RESTARTED in environ:
-        return False
-    if environ.get("JAXSERVE_GLIBC_TUNABLES") == "0" or platform.system() != "Linux":
-        return False
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    platforms = environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
-
-
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and wants_glibc_restart(sys.argv[1] if len(sys.argv) > 1 else None):
-        # The tunables are read when a process starts: start this one again (same pid, arguments,
-        # descriptors) with them, before anything heavy is imported.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-                  {**os.environ, "GLIBC_TUNABLES": CPU_GLIBC_TUNABLES, _RESTARTED: "1"})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)   # e.g. "Unable to initialize backend 'tpu'" on CPU
-    if os.environ.get(_RESTARTED) == "1" and os.environ.get("GLIBC_TUNABLES") == CPU_GLIBC_TUNABLES:
-        logging.getLogger(__name__).info(
-            "CPU: running with GLIBC_TUNABLES=%s (the step's large buffers stay in the heap instead of being "
-            "mapped afresh each step; set GLIBC_TUNABLES yourself, or JAXSERVE_GLIBC_TUNABLES=0, to choose "
-            "otherwise)", CPU_GLIBC_TUNABLES)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

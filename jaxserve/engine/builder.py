@@ -20,6 +20,7 @@ from flax import nnx
 from checkpoints import Checkpoint, load_checkpoint, restore_orbax_params
 from jaxserve.config import EngineConfig
 from jaxserve.core import Scheduler, SchedulerConfig
+from jaxserve.engine import cpu_malloc
 from jaxserve.engine.devices import activation_bytes, kv_pool_bytes, resolve_dtype
 from jaxserve.engine.weights import checked_update, flat_params, path_name
 from jaxserve.models import ModelConfig, get_model_class, load_weights
@@ -193,6 +194,7 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     if jax.devices()[0].platform == "cpu":
         native_cpu.build_in_background()   # compiles while the checkpoint loads
+        cpu_malloc.keep_buffers_in_heap()
     if config.dtype == "auto":   # first: the backend's self-check runs in the dtype the engine will use
         config = dataclasses.replace(config, dtype=resolve_dtype("auto", jax.devices()[0].platform))
         logger.info("dtype auto: %s on %s", config.dtype, jax.devices()[0].device_kind)
