@@ -330,10 +330,13 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
     // into L2: spread out, the prefetches do not fill the miss queue in one burst and stall
     const uint16_t* src = static_cast<const uint16_t*>(pr.kv) + v_page * BS * D;
     float* dst = w.vbuf.data();
+    // Step i prefetches lines [i * lines / steps, (i + 1) * lines / steps), counted without a
+    // division (two 64-bit divisions a step took a quarter of a decode's attention time).
     const int64_t lines = page_bytes / 64, steps = BS * D / 16;
+    int64_t line = 0, owed = 0;   // owed: lines * (i + 1) - steps * line, before the step's prefetches
     for (int64_t i = 0; i < steps; ++i) {
       if (nk != nullptr) {
-        for (int64_t line = i * lines / steps; line < (i + 1) * lines / steps; ++line) {
+        for (owed += lines; owed >= steps; owed -= steps, ++line) {
           _mm_prefetch(nk + line * 64, _MM_HINT_T1);
           _mm_prefetch(nv + line * 64, _MM_HINT_T1);
         }
