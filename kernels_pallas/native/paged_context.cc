@@ -154,11 +154,14 @@ struct LaneBlock {
 
 struct Scratch {  // per thread, kept between calls
   std::vector<float> kbuf, vbuf, m, l, acc, scores;
+  std::vector<float> row_weights, row_alpha;   // `fold_page16`: a run's rows' weights of 16 keys, rescales
+  std::vector<int64_t> active_rows;           // and which rows see a key of the 16
   std::vector<float> lanes;        // rows folded 16 at a time (`fold_lanes16`): per block q, acc, m, l
   std::vector<LaneBlock> blocks;
   Scratch(const Problem& pr, int64_t max_rows)
       : kbuf(pr.BS * pr.D), vbuf(pr.BS * pr.D), m(kSeqGroup * max_rows), l(kSeqGroup * max_rows),
-        acc(kSeqGroup * max_rows * pr.D), scores(pr.BS), lanes(lane_blocks(max_rows) * lane_floats(pr) + 16),
+        acc(kSeqGroup * max_rows * pr.D), scores(pr.BS), row_weights(16 * max_rows), row_alpha(max_rows),
+        active_rows(max_rows), lanes(lane_blocks(max_rows) * lane_floats(pr) + 16),
         blocks(lane_blocks(max_rows)) {}
   static int64_t lane_floats(const Problem& pr) { return 16 * (2 * pr.D + 2); }   // one block's, 64-byte multiple
   float* lane_block(const Problem& pr, int64_t bi) {   // 64-byte aligned
@@ -169,6 +172,7 @@ struct Scratch {  // per thread, kept between calls
   bool fits(const Problem& pr, int64_t max_rows) const {
     return kbuf.size() >= static_cast<size_t>(pr.BS * pr.D) && m.size() >= static_cast<size_t>(kSeqGroup * max_rows) &&
            acc.size() >= static_cast<size_t>(kSeqGroup * max_rows * pr.D) && scores.size() >= static_cast<size_t>(pr.BS) &&
+           active_rows.size() >= static_cast<size_t>(max_rows) &&
            lanes.size() >= static_cast<size_t>(lane_blocks(max_rows) * lane_floats(pr) + 16) &&
            blocks.size() >= static_cast<size_t>(lane_blocks(max_rows));
   }
@@ -300,6 +304,58 @@ inline __m512 sum16_vertical(const __m512 e[16]) {
   return _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]));
 }
 
+// fold_page16's V pass over 16 keys (v: their [16][kD] rows, bf16 bits when kRaw, else float32):
+// each key's V row is loaded (converted) once for up to kChunk active rows at a time, whose outputs
+// stay in registers; each row's sums take the keys in order, as that row alone would. The first
+// chunk also prefetches `v_lines` lines of the next K and V pages (nk, nv) per key from line `line0`.
+template <int64_t kD, bool kRaw>
+inline void v_pass(const Run& run, const void* v, const float* row_e, const float* row_alpha, const int64_t* active,
+                   int64_t num_active, int64_t nkeys, const char* nk, const char* nv, int64_t line0, int64_t v_lines) {
+  constexpr int NV = static_cast<int>(kD / 16);
+  constexpr int64_t kChunk = NV <= 4 ? 4 : 2;
+  for (int64_t c0 = 0; c0 < num_active; c0 += kChunk) {
+    const int64_t rows = std::min(kChunk, num_active - c0);
+    __m512 acc[kChunk][NV];
+    #pragma GCC unroll 4
+    for (int64_t i = 0; i < kChunk; ++i) {
+      if (i >= rows) break;
+      const float* a = run.acc + active[c0 + i] * kD;
+      const float alpha = row_alpha[c0 + i];
+      #pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j)
+        acc[i][j] = alpha == 1.0f ? _mm512_loadu_ps(a + 16 * j) : _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), _mm512_set1_ps(alpha));
+    }
+    for (int64_t t = 0; t < nkeys; ++t) {
+      if (kRaw && c0 == 0) {
+        for (int64_t line = line0 + t * v_lines; line < line0 + (t + 1) * v_lines; ++line) {
+          _mm_prefetch(nk + line * 64, _MM_HINT_T1);
+          _mm_prefetch(nv + line * 64, _MM_HINT_T1);
+        }
+      }
+      __m512 vt[NV];
+      #pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        if constexpr (kRaw) vt[j] = load_bf16x16(static_cast<const uint16_t*>(v) + t * kD + 16 * j);
+        else vt[j] = _mm512_loadu_ps(static_cast<const float*>(v) + t * kD + 16 * j);
+      }
+      #pragma GCC unroll 4
+      for (int64_t i = 0; i < kChunk; ++i) {
+        if (i >= rows) break;
+        const __m512 et = _mm512_set1_ps(row_e[16 * (c0 + i) + t]);
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(et, vt[j], acc[i][j]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int64_t i = 0; i < kChunk; ++i) {
+      if (i >= rows) break;
+      float* a = run.acc + active[c0 + i] * kD;
+      #pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(a + 16 * j, acc[i][j]);
+    }
+  }
+}
+
 // fold_page for pages of a multiple of 16 keys and a head dim of kD (a multiple of 16) without
 // soft-capping, 16 keys at a time: the 16 scores of a row come out in one vector, masked,
 // exponentiated and summed 16 at a time, and the row's output accumulates in registers.
@@ -324,45 +380,34 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   // float32 16-key pages: the next pages' prefetches go out 8 lines per key of the first row's scores
   const bool spread = BS == 16 && pr.bits_dtype == 0 && nk != nullptr;
   const int64_t lines_per_key = page_bytes / 64 / 16;
-  const float* vpage_all;
-  if (pr.bits_dtype == 1) {
-    // V converted 16 values at a time, each step also prefetching one line of the next K and V pages
-    // into L2: spread out, the prefetches do not fill the miss queue in one burst and stall
-    const uint16_t* src = static_cast<const uint16_t*>(pr.kv) + v_page * BS * D;
-    float* dst = w.vbuf.data();
-    // Step i prefetches lines [i * lines / steps, (i + 1) * lines / steps), counted without a
-    // division (two 64-bit divisions a step took a quarter of a decode's attention time).
-    const int64_t lines = page_bytes / 64, steps = BS * D / 16;
-    int64_t line = 0, owed = 0;   // owed: lines * (i + 1) - steps * line, before the step's prefetches
-    for (int64_t i = 0; i < steps; ++i) {
-      if (nk != nullptr) {
-        for (owed += lines; owed >= steps; owed -= steps, ++line) {
-          _mm_prefetch(nk + line * 64, _MM_HINT_T1);
-          _mm_prefetch(nv + line * 64, _MM_HINT_T1);
-        }
-      }
-      _mm512_storeu_ps(dst + 16 * i, load_bf16x16(src + 16 * i));
-    }
-    vpage_all = dst;
-  } else {
-    vpage_all = page_rows(pr.kv, pr.bits_dtype, v_page, BS * D, w.vbuf.data());
-    if (nk != nullptr && !spread) {
-      for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
-        _mm_prefetch(nk + line, _MM_HINT_T1);
-        _mm_prefetch(nv + line, _MM_HINT_T1);
-      }
+  // V: a bf16 pool's page is read as it lies, each key's row converted where the rows use it; a
+  // float32 pool's in place; a float16 pool's converted into vbuf first.
+  const bool v_raw = pr.bits_dtype == 1;
+  const uint16_t* vraw_all = static_cast<const uint16_t*>(pr.kv) + v_page * BS * D;
+  const float* vpage_all = v_raw ? nullptr : page_rows(pr.kv, pr.bits_dtype, v_page, BS * D, w.vbuf.data());
+  // Prefetches of the next K and V pages into L2: float32 16-key pages spread them over the first
+  // row's scores (`spread`); a bf16 pool over the keys of the V pass, `v_lines` lines of each a key
+  // (spread out, the prefetches do not fill the miss queue in one burst and stall); else all at once.
+  const int64_t v_lines = v_raw && nk != nullptr ? page_bytes / 64 / BS : 0;
+  if (nk != nullptr && !spread && v_lines == 0) {
+    for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
+      _mm_prefetch(nk + line, _MM_HINT_T1);
+      _mm_prefetch(nv + line, _MM_HINT_T1);
     }
   }
+  float* row_e = w.row_weights.data();   // [rows][16] each row's softmax weights of the 16 keys
+  float* row_alpha = w.row_alpha.data();
+  int64_t* active = w.active_rows.data();
   for (int64_t sub = 0; sub < BS / 16; ++sub) {   // 16 keys at a time
     const int64_t key0 = p * BS + 16 * sub, nkeys = std::min<int64_t>(16, run.limit - key0);
     if (nkeys <= 0) break;
     const float* kpage = kpage_all == nullptr ? nullptr : kpage_all + 16 * sub * D;
     const uint16_t* kraw = kraw_all + 16 * sub * D;
-    const float* vpage = vpage_all + 16 * sub * D;
     const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(key0)),
                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     const __mmask16 in_page = nkeys >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nkeys) - 1);
-    alignas(64) float weights[16];
+    // Scores and softmax weights of every row with a visible key (its max and sum updated here).
+    int64_t num_active = 0;
     for (int64_t r = 0; r < run.rows; ++r) {
       const int64_t j = r / G, g = r % G, q_pos = run.pos0 + j;
       __mmask16 valid = in_page & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int32_t>(q_pos)));
@@ -407,26 +452,28 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       const __m512 scores = sum_lanes16(partial);
       const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
       const float m_old = run.m[r], m_new = std::max(m_old, page_max);
-      // an unchanged max (most pages after the first few) rescales by exactly 1: skipped
-      const bool same_max = m_new == m_old;
-      const float alpha = m_old == kMasked ? 0.0f : same_max ? 1.0f : exp_lane0(m_old - m_new);
+      // an unchanged max (most pages after the first few) rescales by exactly 1: skipped (alpha 1)
+      const float alpha = m_old == kMasked ? 0.0f : m_new == m_old ? 1.0f : exp_lane0(m_old - m_new);
       const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-      _mm512_store_ps(weights, e);
-      float* a = run.acc + r * D;
-      __m512 acc[NV];
-      #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v)
-        acc[v] = same_max ? _mm512_loadu_ps(a + 16 * v) : _mm512_mul_ps(_mm512_loadu_ps(a + 16 * v), _mm512_set1_ps(alpha));
-      for (int64_t t = 0; t < nkeys; ++t) {
-        const __m512 et = _mm512_set1_ps(weights[t]);
-        #pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(et, _mm512_loadu_ps(vpage + t * D + 16 * v), acc[v]);
-      }
-      #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + 16 * v, acc[v]);
+      _mm512_storeu_ps(row_e + 16 * num_active, e);
+      row_alpha[num_active] = alpha;
+      active[num_active++] = r;
       run.l[r] = std::fma(run.l[r], alpha, sum16(e));
       run.m[r] = m_new;
     }
+    const uint16_t* vraw = vraw_all + 16 * sub * D;
+    const float* vpage = vpage_all == nullptr ? nullptr : vpage_all + 16 * sub * D;
+    const int64_t key_line0 = 16 * sub * v_lines;   // this sub-block's first prefetch line
+    if (num_active == 0) {
+      for (int64_t line = key_line0; line < key_line0 + 16 * v_lines; ++line) {
+        _mm_prefetch(nk + line * 64, _MM_HINT_T1);
+        _mm_prefetch(nv + line * 64, _MM_HINT_T1);
+      }
+    }
+    if (v_raw)
+      v_pass<kD, true>(run, vraw, row_e, row_alpha, active, num_active, nkeys, nk, nv, key_line0, v_lines);
+    else
+      v_pass<kD, false>(run, vpage, row_e, row_alpha, active, num_active, nkeys, nk, nv, key_line0, v_lines);
   }
 }
 
