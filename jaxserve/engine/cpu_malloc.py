@@ -7,9 +7,12 @@ of page faults a step, ~6 ms of a ~100 ms bfloat16 decode step in the lm head al
 writes its [64, 49152] logits into that buffer (benchmarks/RESULTS.md, seventh round).
 
 `keep_buffers_in_heap()` tells the running process's malloc to serve every allocation from its
-heap (`M_MMAP_MAX` 0) and never to give freed heap back (`M_TRIM_THRESHOLD` at its largest), so
-the step's buffer is reused with its pages already mapped. The cost: memory the process frees
-stays with it. It runs when an engine starts on a CPU-only JAX (the library and the CLI alike),
+heap (`M_MMAP_MAX` 0), never to give freed heap back (`M_TRIM_THRESHOLD` at its largest), and to
+keep a thread arena's heap whose one block was freed (`M_TOP_PAD` of a whole 64 MB heap: glibc
+deletes such a heap whatever the trim threshold, and XLA's worker threads allocate in their own
+arenas), so the step's buffer is reused with its pages already mapped. glibc's tunables
+(`GLIBC_TUNABLES`, which the CLI used to restart itself with) miss that last case
+(tests/test_cpu_malloc.py). The cost: memory the process frees stays with it. It runs when an engine starts on a CPU-only JAX (the library and the CLI alike),
 only under glibc, and not when the environment sets `GLIBC_TUNABLES` (the user chose) or
 `JAXSERVE_GLIBC_TUNABLES=0`.
 """
