@@ -304,6 +304,14 @@ inline __m512 sum16_vertical(const __m512 e[16]) {
   return _mm512_add_ps(_mm512_add_ps(b[0], b[2]), _mm512_add_ps(b[1], b[3]));
 }
 
+// Lines [first, end) (64 bytes each) of the next K and V pages (nk, nv) into L2, K's and V's in turn.
+inline void prefetch_pages_l2(const char* nk, const char* nv, int64_t first, int64_t end) {
+  for (int64_t line = first; line < end; ++line) {
+    _mm_prefetch(nk + line * 64, _MM_HINT_T1);
+    _mm_prefetch(nv + line * 64, _MM_HINT_T1);
+  }
+}
+
 // fold_page16's V pass over 16 keys (v: their [16][kD] rows, bf16 bits when kRaw, else float32):
 // each key's V row is loaded (converted) once for up to kChunk active rows at a time, whose outputs
 // stay in registers; each row's sums take the keys in order, as that row alone would. The first
@@ -326,12 +334,7 @@ inline void v_pass(const Run& run, const void* v, const float* row_e, const floa
         acc[i][j] = alpha == 1.0f ? _mm512_loadu_ps(a + 16 * j) : _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), _mm512_set1_ps(alpha));
     }
     for (int64_t t = 0; t < nkeys; ++t) {
-      if (kRaw && c0 == 0) {
-        for (int64_t line = line0 + t * v_lines; line < line0 + (t + 1) * v_lines; ++line) {
-          _mm_prefetch(nk + line * 64, _MM_HINT_T1);
-          _mm_prefetch(nv + line * 64, _MM_HINT_T1);
-        }
-      }
+      if (kRaw && c0 == 0) prefetch_pages_l2(nk, nv, line0 + t * v_lines, line0 + (t + 1) * v_lines);
       __m512 vt[NV];
       #pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) {
@@ -389,12 +392,8 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   // row's scores (`spread`); a bf16 pool over the keys of the V pass, `v_lines` lines of each a key
   // (spread out, the prefetches do not fill the miss queue in one burst and stall); else all at once.
   const int64_t v_lines = v_raw && nk != nullptr ? page_bytes / 64 / BS : 0;
-  if (nk != nullptr && !spread && v_lines == 0) {
-    for (int64_t line = 0; line < page_bytes; line += 64) {   // into L2: a group's pages ahead overflow L1
-      _mm_prefetch(nk + line, _MM_HINT_T1);
-      _mm_prefetch(nv + line, _MM_HINT_T1);
-    }
-  }
+  if (nk != nullptr && !spread && v_lines == 0)   // into L2: a group's pages ahead overflow L1
+    prefetch_pages_l2(nk, nv, 0, page_bytes / 64);
   float* row_e = w.row_weights.data();   // [rows][16] each row's softmax weights of the 16 keys
   float* row_alpha = w.row_alpha.data();
   int64_t* active = w.active_rows.data();
@@ -437,12 +436,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
       {
 #pragma GCC unroll 16
         for (int64_t t = 0; t < 16; ++t) {
-          if (spread && r == 0) {
-            for (int64_t line = t * lines_per_key; line < (t + 1) * lines_per_key; ++line) {
-              _mm_prefetch(nk + line * 64, _MM_HINT_T1);
-              _mm_prefetch(nv + line * 64, _MM_HINT_T1);
-            }
-          }
+          if (spread && r == 0) prefetch_pages_l2(nk, nv, t * lines_per_key, (t + 1) * lines_per_key);
           __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kpage + t * D));
           #pragma GCC unroll 16
           for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kpage + t * D + 16 * v), d);
@@ -464,12 +458,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
     const uint16_t* vraw = vraw_all + 16 * sub * D;
     const float* vpage = vpage_all == nullptr ? nullptr : vpage_all + 16 * sub * D;
     const int64_t key_line0 = 16 * sub * v_lines;   // this sub-block's first prefetch line
-    if (num_active == 0) {
-      for (int64_t line = key_line0; line < key_line0 + 16 * v_lines; ++line) {
-        _mm_prefetch(nk + line * 64, _MM_HINT_T1);
-        _mm_prefetch(nv + line * 64, _MM_HINT_T1);
-      }
-    }
+    if (num_active == 0) prefetch_pages_l2(nk, nv, key_line0, key_line0 + 16 * v_lines);
     if (v_raw)
       v_pass<kD, true>(run, vraw, row_e, row_alpha, active, num_active, nkeys, nk, nv, key_line0, v_lines);
     else
@@ -664,10 +653,7 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
   for (int64_t p = lo; p < end; ++p) {
     if (p + 1 < end) {   // the next pages into L2 while this one computes
       const auto [nk, nv] = next_pages(pr, runs[anchor], h, p, page_bytes);
-      for (int64_t line = 0; line < page_bytes; line += 64) {
-        _mm_prefetch(nk + line, _MM_HINT_T1);
-        _mm_prefetch(nv + line, _MM_HINT_T1);
-      }
+      prefetch_pages_l2(nk, nv, 0, page_bytes / 64);
     }
     const int64_t k_page = pool_page(pr, runs[anchor], 0, h, p);
     const float* v = page_rows(pr.kv, pr.bits_dtype, pool_page(pr, runs[anchor], 1, h, p), page_elems, w.vbuf.data());
