@@ -18,6 +18,7 @@ projections keep the head axis explicit, q_proj [hidden, heads, head_dim], o_pro
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,15 @@ class Proj(nnx.Einsum):
 def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
     """[p(x) for p in projs]; one native call for all of them (q/k/v, gate/up) when each would take
     the native matvec (one row) or matmul: one work split instead of several small ones."""
+    ys = native_products(projs, x)
+    if ys is None:
+        return [p(x) for p in projs]
+    return [p.finish(y, x.dtype) for p, y in zip(projs, ys)]
+
+
+def native_products(projs: list[Proj], x: jax.Array) -> list[jax.Array] | None:
+    """The float32 products x W of `projs` (no bias, not rounded) from one native call, or None when
+    one of them would not take the native matvec (one row) or matmul here."""
     kernels = [p.kernel[...] for p in projs]
     rows, depth = x.shape[0], x[0].size
     flat = [k.reshape(depth, -1) for k in kernels]
@@ -79,8 +89,8 @@ def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
     elif all(p.native_rows and native_gemm_ok(x, k) for p, k in zip(projs, kernels)):
         ys = native_cpu.matmuls(x.reshape(rows, depth), flat)
     else:
-        return [p(x) for p in projs]
-    return [p.finish(y.reshape(rows, *k.shape[x.ndim - 1:]), x.dtype) for p, y, k in zip(projs, ys, kernels)]
+        return None
+    return [y.reshape(rows, *k.shape[x.ndim - 1:]) for y, k in zip(ys, kernels)]
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:
@@ -100,6 +110,14 @@ def native_gemm_ok(x: jax.Array, weight: jax.Array) -> bool:
     if x.shape[0] < 2 or x.dtype != weight.dtype or weight.dtype not in (jnp.float32, jnp.bfloat16):
         return False
     return _unsharded() and native_cpu.gemm_enabled() and native_cpu.gemm_available()
+
+
+def native_silu_mul_ok(projs: list[Proj], x: jax.Array) -> bool:
+    """True when gate/up are bfloat16 without biases: the native SwiGLU (`native_cpu.silu_mul`) then
+    gives XLA's bits from their float32 products at ~4-8x XLA's rate (benchmarks/RESULTS.md).
+    JAXSERVE_NATIVE_SILU=0 keeps XLA's (A/B benchmarks)."""
+    return (all(p.bias is None and (p.dtype or x.dtype) == jnp.bfloat16 for p in projs)
+            and os.environ.get("JAXSERVE_NATIVE_SILU", "1") != "0")
 
 
 def _unsharded() -> bool:
@@ -285,8 +303,13 @@ class MLP(nnx.Module):
         self.down_proj = Proj("tf,fd->td", (intermediate, hidden), down_bias, **common)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = project_together([self.gate_proj, self.up_proj], x)
-        h = jax.nn.silu(gate) * up                            # [T, intermediate]
+        projs = [self.gate_proj, self.up_proj]
+        ys = native_products(projs, x)
+        if ys is not None and native_silu_mul_ok(projs, x):
+            h = native_cpu.silu_mul(*ys)                      # [T, intermediate], the same bits as below
+        else:
+            gate, up = project_together(projs, x) if ys is None else [p.finish(y, x.dtype) for p, y in zip(projs, ys)]
+            h = jax.nn.silu(gate) * up                        # [T, intermediate]
         return self.down_proj(h)                              # [T, hidden]
 
 

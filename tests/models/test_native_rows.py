@@ -194,3 +194,77 @@ def test_matmul_refuses_bad_operands(x_shape, w_shape, dtypes, match):
 def test_transposed_matmul_refuses_a_kn_weight():
     with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
         native_cpu.matmul(jnp.zeros((3, 4)), jnp.zeros((4, 6)), transposed=True)
+
+
+# ---- the native SwiGLU of bfloat16 models (native/swiglu.cc) ----------------------------------
+
+def same_bits(got, want):
+    """bf16 arrays equal bit for bit; NaNs only need to be NaNs (their payloads are XLA's business)."""
+    got, want = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+    nans = np.isnan(got.view(jnp.bfloat16).astype(np.float32)) & np.isnan(want.view(jnp.bfloat16).astype(np.float32))
+    differ = (got != want) & ~nans
+    assert not differ.any(), f"{differ.sum()} of {differ.size} differ, first at {np.argwhere(differ)[:3].tolist()}"
+
+
+@pytest.mark.parametrize("up", [1.0, -3.5, 1e-30, 7e-39, 3e38])
+def test_silu_mul_equals_xla_on_every_bf16_gate(up):
+    """Every bfloat16 gate value (as its float32 product would arrive) times ups that are plain, tiny,
+    subnormal and about to overflow: XLA's bits."""
+    assert native_cpu.available()
+    gate = jnp.asarray(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16).astype(np.float32).reshape(64, 1024))
+    up = jnp.full(gate.shape, up, jnp.float32)
+    same_bits(jax.jit(native_cpu.silu_mul)(gate, up), jax.jit(native_cpu.silu_mul_reference)(gate, up))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 17), (333, 1537), (2, 40000)], ids=str)
+def test_silu_mul_equals_xla_on_any_float32(shape):
+    """Random float32 bit patterns (ties of the bf16 rounding, NaNs, infinities, subnormals) and
+    normal values, at sizes with 16-lane tails and several work items."""
+    rng = np.random.default_rng(sum(shape))
+    bits = rng.integers(0, 1 << 32, size=(2, *shape), dtype=np.uint64).astype(np.uint32)
+    bits[:, ::3] &= 0xFFFF8000          # exact ties and near-ties of the rounding to bf16
+    normal = rng.standard_normal((2, *shape)).astype(np.float32) * 4
+    for gate, up in (bits.view(np.float32), normal):
+        gate, up = jnp.asarray(gate), jnp.asarray(up)
+        same_bits(jax.jit(native_cpu.silu_mul)(gate, up), jax.jit(native_cpu.silu_mul_reference)(gate, up))
+
+
+def test_silu_mul_gradients_equal_jnp():
+    rng = np.random.default_rng(7)
+    gate, up = (jnp.asarray(rng.standard_normal((5, 40)), jnp.float32) for _ in range(2))
+    loss = lambda f: (lambda g, u: jnp.sum(jnp.tanh(f(g, u).astype(jnp.float32))))
+    got = jax.grad(loss(native_cpu.silu_mul), argnums=(0, 1))(gate, up)
+    want = jax.grad(loss(native_cpu.silu_mul_reference), argnums=(0, 1))(gate, up)
+    for g, h in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+
+
+@pytest.mark.parametrize("gate,up,match", [
+    (jnp.zeros((3, 4)), jnp.zeros((4, 3)), "one shape"),
+    (jnp.zeros((3, 4), jnp.bfloat16), jnp.zeros((3, 4), jnp.bfloat16), "float32 gate and up"),
+    (jnp.zeros((3, 4)), jnp.zeros((3, 4), jnp.bfloat16), "float32 gate and up"),
+])
+def test_silu_mul_refuses_bad_operands(gate, up, match):
+    with pytest.raises(ValueError, match=match):
+        native_cpu.silu_mul(gate, up)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype,bias,native_silu", [
+    (jnp.bfloat16, False, True), (jnp.bfloat16, True, False), (jnp.float32, False, False)])
+def test_mlp_takes_the_native_silu_in_bf16_only(rows, dtype, bias, native_silu, monkeypatch):
+    """A bf16 MLP without biases (the default model's) takes the native SwiGLU after its native
+    gate/up products, with the same bits as XLA's (JAXSERVE_NATIVE_SILU=0); float32 and biased
+    MLPs keep XLA's."""
+    from jaxserve.models.layers import MLP
+    if rows > 1 and not native_cpu.gemm_available():
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    mlp = MLP(24, 40, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), native_rows=True)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((rows, 24)), dtype)
+    run = jax.jit(lambda x: mlp(x))
+    assert ("jaxserve_silu_mul" in run.lower(x).as_text()) == native_silu
+    got = run(x)
+    monkeypatch.setenv("JAXSERVE_NATIVE_SILU", "0")
+    xla = jax.jit(lambda x: mlp(x))
+    assert "jaxserve_silu_mul" not in xla.lower(x).as_text()
+    same_bits(got, xla(x)) if dtype == jnp.bfloat16 else np.testing.assert_array_equal(got, xla(x))
