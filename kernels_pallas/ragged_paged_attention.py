@@ -98,6 +98,18 @@ def write_kv_cache(kv_cache, k, v, slot_mapping):
 
     A uint16 `kv_cache` stores the bits of k/v's 16-bit float type (see `kv_pool_dtype`).
     """
+    check_kv_write(kv_cache, k, v, slot_mapping)
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
+    kv = jnp.stack([k, v]).transpose(0, 2, 1, 3)                          # [2, kv_heads, T, D]
+    if kv_cache.dtype == jnp.uint16:
+        kv = lax.bitcast_convert_type(kv.astype(k.dtype), jnp.uint16)
+    flat = flat.at[:, :, slot_mapping].set(kv.astype(kv_cache.dtype), mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def check_kv_write(kv_cache, k, v, slot_mapping) -> None:
+    """`write_kv_cache`'s argument checks (shared with the native CPU write)."""
     _check_kv_cache(kv_cache)
     _check_bits_dtype("k", k, kv_cache)
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
@@ -109,12 +121,6 @@ def write_kv_cache(kv_cache, k, v, slot_mapping):
     _check_int32("slot_mapping", slot_mapping, ndim=1)
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping length {slot_mapping.shape[0]} != number of tokens {k.shape[0]}")
-    flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
-    kv = jnp.stack([k, v]).transpose(0, 2, 1, 3)                          # [2, kv_heads, T, D]
-    if kv_cache.dtype == jnp.uint16:
-        kv = lax.bitcast_convert_type(kv.astype(k.dtype), jnp.uint16)
-    flat = flat.at[:, :, slot_mapping].set(kv.astype(kv_cache.dtype), mode="drop")
-    return flat.reshape(kv_cache.shape)
 
 
 @jax.tree_util.register_dataclass

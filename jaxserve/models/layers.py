@@ -112,6 +112,13 @@ def native_gemm_ok(x: jax.Array, weight: jax.Array) -> bool:
     return _unsharded() and native_cpu.gemm_enabled() and native_cpu.gemm_available()
 
 
+def native_kv_write_ok() -> bool:
+    """True when the `cpu` backend can write K/V natively here (`native_cpu.write_kv`: no transposing
+    copy before the scatter; unsharded). JAXSERVE_NATIVE_KV_WRITE=0 keeps the jnp scatter (A/B)."""
+    return (os.environ.get("JAXSERVE_NATIVE_KV_WRITE", "1") != "0" and _unsharded()
+            and native_cpu.available())
+
+
 def native_silu_mul_ok(projs: list[Proj], x: jax.Array) -> bool:
     """True when gate/up are bfloat16 without biases: the native SwiGLU (`native_cpu.silu_mul`) then
     gives XLA's bits from their float32 products at ~4-8x XLA's rate (benchmarks/RESULTS.md).
@@ -282,7 +289,10 @@ class Attention(nnx.Module):
         if kv_cache is None:                                # one whole sequence, no cache (training)
             out = dense_causal_attention(q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
             return self.o_proj(out), None
-        kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
+        if self.attention_backend == "cpu" and native_kv_write_ok():
+            kv_cache = native_cpu.write_kv(kv_cache, k, v, md.slot_mapping)
+        else:
+            kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
                               sliding_window=self.sliding_window)
         return self.o_proj(out), kv_cache                   # [T, hidden]

@@ -1,0 +1,109 @@
+"""The `cpu` backend's native K/V write (`native_cpu.write_kv`, native/kv_write.cc) stores the same
+bits as the jnp scatter `write_kv_cache`, in the donated pool's own buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kernels_pallas import native_cpu, write_kv_cache
+
+KVH, NB, BS, D = 3, 9, 4, 8
+
+
+def case(pool_dtype, kv_dtype, tokens, seed=0):
+    """A random pool, K/V of `tokens` tokens, and distinct slots in scattered blocks plus slots the
+    scatter drops (past the pool) or counts from the end (negative)."""
+    rng = np.random.default_rng(seed)
+    bits = rng.standard_normal((2, KVH, NB, BS, D)).astype(np.float32)
+    if pool_dtype == jnp.uint16:
+        pool = np.asarray(jnp.asarray(bits, kv_dtype)).view(np.uint16)
+    else:
+        pool = bits
+    k, v = (jnp.asarray(rng.standard_normal((tokens, KVH, D)), kv_dtype) for _ in range(2))
+    perm = rng.permutation(NB * BS).astype(np.int32)
+    slots = perm[:tokens].copy()
+    slots[1::7] = perm[tokens:tokens + len(slots[1::7])] - NB * BS    # unused slots, counted from the end
+    slots[2::5] = NB * BS + 3 + np.arange(len(slots[2::5]))            # past the pool: dropped
+    return jnp.asarray(pool), k, v, jnp.asarray(slots)
+
+
+@pytest.mark.parametrize("pool_dtype,kv_dtype", [
+    (jnp.float32, jnp.float32), (jnp.uint16, jnp.bfloat16), (jnp.uint16, jnp.float16), (jnp.float32, jnp.bfloat16)],
+    ids=["f32", "bf16-bits", "f16-bits", "bf16-into-f32"])
+@pytest.mark.parametrize("tokens", [1, 7, 30])
+def test_native_write_equals_the_scatter(pool_dtype, kv_dtype, tokens):
+    assert native_cpu.available()
+    pool, k, v, slots = case(pool_dtype, kv_dtype, tokens, seed=tokens)
+    want = np.asarray(jax.jit(write_kv_cache)(pool, k, v, slots))
+    got = np.asarray(jax.jit(native_cpu.write_kv)(pool, k, v, slots))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert (got != np.asarray(pool)).any()
+
+
+def test_native_write_updates_the_donated_pool_in_place():
+    pool, k, v, slots = case(jnp.uint16, jnp.bfloat16, 7)
+    before = pool.unsafe_buffer_pointer()
+    write = jax.jit(native_cpu.write_kv, donate_argnums=0)
+    out = write(pool, k, v, slots)
+    assert out.unsafe_buffer_pointer() == before
+    assert "copy(" not in write.lower(jnp.zeros_like(out), k, v, slots).compile().as_text().split("custom-call")[0]
+
+
+@pytest.mark.parametrize("pool,k,v,slots,match", [
+    (jnp.zeros((2, KVH, NB, BS, D)), jnp.zeros((4, KVH + 1, D)), jnp.zeros((4, KVH + 1, D)), jnp.zeros(4, jnp.int32),
+     "from kv_cache"),
+    (jnp.zeros((2, KVH, NB, BS, D), jnp.uint16), jnp.zeros((4, KVH, D)), jnp.zeros((4, KVH, D)),
+     jnp.zeros(4, jnp.int32), "16-bit float bits"),
+    (jnp.zeros((2, KVH, NB, BS, D)), jnp.zeros((4, KVH, D)), jnp.zeros((4, KVH, D)), jnp.zeros(3, jnp.int32),
+     "slot_mapping length"),
+    (jnp.zeros((2, KVH, NB, BS, D)), jnp.zeros((4, KVH, D)), jnp.zeros((4, KVH, D)), jnp.zeros(4), "int32"),
+])
+def test_native_write_refuses_what_the_scatter_refuses(pool, k, v, slots, match):
+    for write in (native_cpu.write_kv, write_kv_cache):
+        with pytest.raises(ValueError, match=match):
+            write(pool, k, v, slots)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_attention_layer_writes_natively_on_the_cpu_backend(dtype, monkeypatch):
+    """The `cpu` backend's attention lowers to the native write (no scatter); JAXSERVE_NATIVE_KV_WRITE=0
+    keeps the scatter. bfloat16: the same cache and output bit for bit (RoPE rounds every step to
+    bf16). float32: XLA fuses k's RoPE differently without the scatter (a multiply-add contracted or
+    not), so a few K values move by an ulp."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.layers import Attention
+    from kernels_pallas.oracle import make_batch
+    from jaxserve.models.metadata import AttentionMetadata
+    config = ModelConfig.from_hf_config(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64))
+    config = dataclasses.replace(config, attention_backend="cpu")
+    attn = Attention(config, sliding_window=None, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    _, cache, tables, ctx, qsl, num_seqs = make_batch([(9, 3), (5, 1)], num_kv_heads=2, head_dim=8, block_size=4)
+    if dtype == jnp.bfloat16:
+        cache = np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 32)), dtype)
+    positions = jnp.asarray([6, 7, 8, 4], jnp.int32)
+    slots = jnp.asarray([tables[0][p // 4] * 4 + p % 4 for p in (6, 7, 8)] + [tables[1][1] * 4], jnp.int32)
+    md = AttentionMetadata(slot_mapping=slots, block_tables=jnp.asarray(tables), context_lens=jnp.asarray(ctx),
+                           query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray(num_seqs))
+    run = jax.jit(lambda x, cache: attn(x, positions, cache, md))
+    assert "jaxserve_write_kv" in run.lower(x, jnp.asarray(cache)).as_text()
+    got = run(x, jnp.asarray(cache))
+    monkeypatch.setenv("JAXSERVE_NATIVE_KV_WRITE", "0")
+    scatter = jax.jit(lambda x, cache: attn(x, positions, cache, md))
+    assert "jaxserve_write_kv" not in scatter.lower(x, jnp.asarray(cache)).as_text()
+    want = scatter(x, jnp.asarray(cache))
+    for g, w in zip(got[::-1], want[::-1]):   # the cache, then the output
+        if dtype == jnp.bfloat16:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
