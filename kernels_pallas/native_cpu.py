@@ -2,8 +2,9 @@
 
 What flows through: `paged_context_native(...)` (attention of every run, `native/paged_context.cc`,
 reads the K/V pages in place), `matvec(...)` (one-row matmuls, `native/matvec.cc`) and
-`matmul(...)` (the projections of steps with 2+ rows, `native/gemm.cc`; needs AVX-512 BF16)
-are traced inside the caller's jitted step and each becomes one XLA custom call; they split
+`matmul(...)` (the projections of steps with 2+ rows, `native/gemm.cc`; needs AVX-512 BF16),
+`silu_mul(...)` (a bf16 SwiGLU's elementwise half) and `write_kv(...)` (the step's K/V into the
+pool in place; both `native/step_ops.cc`) are traced inside the caller's jitted step and each becomes one XLA custom call; they split
 their work over XLA's own intra-op threads (`native/parallel.h`). The shared library is
 compiled once per machine with the system C++ compiler
 (`c++ -O3 -march=native -fopenmp-simd`, jaxlib's FFI headers) into the user's cache folder,
@@ -39,8 +40,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("paged_context.cc", "matvec.cc", "gemm.cc",
-                                                                           "swiglu.cc", "kv_write.cc"))
+SOURCES = tuple(Path(__file__).with_name("native") / name
+                for name in ("paged_context.cc", "matvec.cc", "gemm.cc", "step_ops.cc"))
 HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h", "simd.h"))
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
@@ -298,7 +299,7 @@ def silu_mul(gate, up):
     SwiGLU's elementwise half, from its projections' float32 products) -> bfloat16, bit for bit.
 
     XLA rounds each step of silu to bfloat16, so silu is a function of the 16 input bits: the
-    kernel (`native/swiglu.cc`) looks up XLA's own results (`silu_table()`) instead of evaluating
+    kernel (`native/step_ops.cc`) looks up XLA's own results (`silu_table()`) instead of evaluating
     the chain, ~8 cycles an element in XLA's fusion. Differentiable (the backward pass is jnp).
     Call `available()` first.
     """
@@ -343,7 +344,7 @@ def write_kv(kv_cache, k, v, slot_mapping):
     slot of the pool, which is updated in place (donate it); the same bits as the jnp scatter.
 
     XLA lays the scatter's updates out token-major, so the fusion feeding it ends in a transposing
-    copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/kv_write.cc`). Not
+    copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/step_ops.cc`). Not
     differentiable (the training path has no cache). Call `available()` first.
     """
     from kernels_pallas.ragged_paged_attention import check_kv_write

@@ -1,4 +1,4 @@
-"""The `cpu` backend's native K/V write (`native_cpu.write_kv`, native/kv_write.cc) stores the same
+"""The `cpu` backend's native K/V write (`native_cpu.write_kv`, native/step_ops.cc) stores the same
 bits as the jnp scatter `write_kv_cache`, in the donated pool's own buffer."""
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def test_transposed_matmul_refuses_a_kn_weight():
         native_cpu.matmul(jnp.zeros((3, 4)), jnp.zeros((4, 6)), transposed=True)
 
 
-# ---- the native SwiGLU of bfloat16 models (native/swiglu.cc) ----------------------------------
+# ---- the native SwiGLU of bfloat16 models (native/step_ops.cc) --------------------------------
 
 def same_bits(got, want):
     """bf16 arrays equal bit for bit; NaNs only need to be NaNs (their payloads are XLA's business)."""
