@@ -43,6 +43,10 @@ class Scheduler:
         self._rng = random.Random()
         # A lower token budget while the runner still compiles its larger buckets (None: no cap).
         self.token_budget_cap: int | None = None
+        # The token counts the runner pads a step to, and one step's cost beyond its tokens, in
+        # tokens (None: never cut a prefill chunk to a bucket; see `_fit_bucket`). The engine sets them.
+        self.step_buckets: tuple[int, ...] | None = None
+        self.step_fixed_tokens: int | None = None
         self.loading: dict[str, Request] = {}       # WAITING_FOR_REMOTE_KV, by request id
         self.ready: list[Request] = []              # pulls ended; they hold their blocks and go first
         self.spec_stats = SpecDecodeStats()
@@ -134,10 +138,19 @@ class Scheduler:
         speculate = spec is not None and (spec.disable_by_batch_size is None
                                           or len(self.running) < spec.disable_by_batch_size)
         # Running requests first: each catches up as far as the budget allows.
+        sized = False   # a prefill chunk was cut to end the step at a bucket: no more prefill tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1 and sized:
+                num_new = 0
+            elif num_new > 1 and not self.ready and not len(self.waiting):
+                # the step's last prefill (none waits, none runs after it): cut to a bucket?
+                later = [r.num_tokens - r.num_computed_tokens for r in self.running[i + 1:]]
+                if all(n <= 1 for n in later):
+                    fitted = self._fit_bucket(sum(num_scheduled.values()), num_new, sum(later))
+                    sized, num_new = fitted < num_new, fitted
             if num_new == 0:
                 i += 1
                 continue
@@ -168,13 +181,17 @@ class Scheduler:
 
         # Then requests whose KV pull ended (they hold their blocks), then waiting requests,
         # unless this step had to preempt.
-        def admit(request: Request, computed_blocks, num_computed: int) -> bool:
+        def admit(request: Request, computed_blocks, num_computed: int, last: bool) -> bool:
+            """`last`: no other request waits to join the step (its chunk may be cut to a bucket)."""
+            nonlocal sized
             remaining = request.num_tokens - num_computed
             if not cfg.enable_chunked_prefill and remaining > budget:
                 return False
             num_new = self._chunk(remaining, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
+            fitted = self._fit_bucket(sum(num_scheduled.values()), num_new, 0) if last else num_new
+            if self.kv.allocate_slots(request, fitted, computed_blocks, num_computed) is None:
                 return False
+            sized, num_new = fitted < num_new, fitted
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -194,16 +211,16 @@ class Scheduler:
             ))
             return True
 
-        while not preempted and self.ready and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while not preempted and not sized and self.ready and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.ready[0]
-            if admit(request, [], request.num_computed_tokens):
+            if admit(request, [], request.num_computed_tokens, last=len(self.ready) == 1 and not len(self.waiting)):
                 self.ready.pop(0)
                 budget -= num_scheduled[request.request_id]
             elif not self.running and len(self.ready) > 1:
                 self._unload(self.ready.pop())   # pulled requests alone fill the pool: one starts over
             else:
                 break
-        while not preempted and not self.ready and len(self.waiting) and budget > 0 \
+        while not preempted and not sized and not self.ready and len(self.waiting) and budget > 0 \
                 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
             if request.wait_for in self.loading:
@@ -216,7 +233,7 @@ class Scheduler:
                 if parked:
                     continue   # in WAITING_FOR_REMOTE_KV
                 # Nothing to pull (the prefix cache has it all): an ordinary admission.
-            if not admit(request, computed_blocks, num_computed):
+            if not admit(request, computed_blocks, num_computed, last=len(self.waiting) == 1):
                 break
             self.waiting.pop()
             budget -= num_scheduled[request.request_id]
@@ -309,6 +326,30 @@ class Scheduler:
         if threshold:
             remaining = min(remaining, threshold)
         return min(remaining, budget)
+
+    def _fit_bucket(self, scheduled: int, num_new: int, later: int) -> int:
+        """`num_new` prefill tokens, or fewer when ending the step at a token bucket and leaving the
+        rest to a later step costs less than padding this step up to the next bucket.
+
+        `scheduled`: the step's tokens so far; `later`: tokens still to come in it (decodes).
+        With T the step's tokens, `upper` the bucket T pads to and `lower` the one below, the step
+        is cut to `lower` when upper > lower + bucket(T - lower) + step_fixed_tokens (a later step
+        for the rest, counted as if alone). E.g. a lone 300-token prompt runs as 256 + 44 (a
+        64-token step) instead of one 512-token step: ~35% less time to its first token on CPU.
+        """
+        buckets, fixed = self.step_buckets, self.step_fixed_tokens
+        if not buckets or fixed is None or num_new < 2 or not self.config.enable_chunked_prefill:
+            return num_new
+        total = scheduled + num_new + later
+        upper = next((b for b in buckets if b >= total), None)
+        if upper is None or upper == total:
+            return num_new
+        lower = max((b for b in buckets if b < total), default=0)
+        rest = total - lower
+        if rest >= num_new:   # the cut would take this whole chunk
+            return num_new
+        rest_bucket = next(b for b in buckets if b >= rest)
+        return num_new - rest if upper > lower + rest_bucket + fixed else num_new
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

@@ -282,6 +282,8 @@ class LLMEngine:
         now = time.monotonic()
         for replica in self.replicas:   # while larger buckets still compile in the background
             replica.scheduler.token_budget_cap = replica.runner.ready_budget
+            replica.scheduler.step_buckets = replica.runner.ready_buckets
+            replica.scheduler.step_fixed_tokens = replica.runner.step_fixed_tokens
         plans = [(replica, replica.scheduler.schedule()) for replica in self.replicas]
         for replica, so in plans:
             for req_id, n in so.num_scheduled_tokens.items():

@@ -137,6 +137,9 @@ def _write_blocks(kv_caches: list[jax.Array], block_ids: jax.Array, blocks: jax.
     return [c.at[:, :, block_ids].set(per_layer[i]) for i, c in enumerate(kv_caches)]
 
 
+# A step's fixed cost in prefill tokens on CPU (see ModelRunner.step_fixed_tokens).
+STEP_FIXED_TOKENS_CPU = 24
+
 class ModelRunner:
     def __init__(
         self,
@@ -351,6 +354,14 @@ class ModelRunner:
     def _mark_ready(self, ready: list[int]) -> None:
         """Publish the compiled buckets to the step (one assignment: the step thread reads them)."""
         self.ready_buckets = tuple(sorted(ready))
+
+    @property
+    def step_fixed_tokens(self) -> int | None:
+        """One step's cost beyond its tokens, in prefill tokens, for the scheduler's cut of a chunk to
+        a bucket (`Scheduler._fit_bucket`): on CPU a step streams the weights once (~15-20 ms on
+        the 2-core machine) against ~0.7-1.2 ms a prefill token (benchmarks/RESULTS.md). None on
+        accelerators, not measured there: no chunk is cut."""
+        return STEP_FIXED_TOKENS_CPU if self.mesh.devices.flat[0].platform == "cpu" else None
 
     @property
     def ready_budget(self) -> int | None:

@@ -158,3 +158,84 @@ def test_results_of_an_aborted_step_are_dropped():
     out = s.schedule()
     s.abort("a")
     assert s.update_from_output(out, r.execute(out)) == []
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def bucketed(**overrides):
+    s, r = make_scheduler(**{"max_num_batched_tokens": 512, "max_model_len": 1024, "num_blocks": 512,
+                             "max_num_seqs": 64, **overrides})
+    s.step_buckets, s.step_fixed_tokens = BUCKETS, 24
+    return s, r
+
+
+@pytest.mark.parametrize("prompt,chunks", [
+    (300, [256, 44]),          # one 512-token step -> 256 + a 64-token step
+    (162, [128, 32, 2]),       # 256 -> 128, then the 34 left -> 32 + 2
+    (71, [64, 7]),
+    (228, [228]),              # 256 is cheaper than 128 + 128 + a step
+    (116, [116]),
+    (256, [256]),              # on a bucket already
+    (700, [512, 128, 60]),     # the budget's chunk, then the rest as above
+])
+def test_a_lone_prompt_is_cut_at_a_bucket_when_padding_costs_more(prompt, chunks):
+    s, r = bucketed()
+    s.add_request(req("a", prompt, max_tokens=2))
+    got = []
+    while True:
+        out, outs = step(s, r)
+        got.append(out.num_scheduled_tokens["a"])
+        if outs:   # the first token comes with the prompt's last chunk
+            break
+    assert got == chunks
+
+
+def test_cut_chunks_give_the_same_tokens_and_kv_as_whole_ones():
+    """Same prompts with and without cutting: the same sampled tokens and the same cache contents."""
+    def run(cut):
+        s, r = bucketed() if cut else make_scheduler(max_num_batched_tokens=512, max_model_len=1024, num_blocks=512)
+        for i, n in enumerate((300, 71, 162)):
+            s.add_request(req(f"r{i}", n, max_tokens=5, start=1000 * i))
+        results, steps = run_until_done(s, r)
+        return results, steps
+    assert run(True)[0] == run(False)[0]
+
+
+def test_decodes_count_toward_the_step_the_chunk_is_cut_to():
+    """With 40 sequences decoding, a 100-token prompt is cut so the step holds 128 tokens."""
+    s, r = bucketed()
+    for i in range(40):
+        s.add_request(req(f"d{i}", 3, max_tokens=50, start=10 * i))
+    step(s, r)                              # their prompts (120 tokens)
+    s.add_request(req("p", 100, start=5000))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens["p"] == 88 and out.total_num_scheduled_tokens == 128
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens["p"] == 12
+
+
+def test_only_the_steps_last_prefill_is_cut():
+    """A prompt with others waiting behind it is not cut (they fill the step); the last one may be."""
+    s, r = bucketed()
+    s.add_request(req("a", 300))
+    s.add_request(req("b", 50, start=1000))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 300, "b": 50}   # b cannot give back the 94 over 256
+    s.add_request(req("c", 300, start=2000))
+    out, _ = step(s, r)                                      # a and b decode; c runs as 256 + 44
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 254}
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 46}
+
+
+@pytest.mark.parametrize("setting", ["no buckets", "no fixed cost", "no chunked prefill"])
+def test_no_cut_without_buckets_a_cost_or_chunked_prefill(setting):
+    s, r = bucketed(**({"enable_chunked_prefill": False, "max_model_len": 512} if setting == "no chunked prefill" else {}))
+    if setting == "no buckets":
+        s.step_buckets = None
+    elif setting == "no fixed cost":
+        s.step_fixed_tokens = None
+    s.add_request(req("a", 300))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"a": 300}
