@@ -147,6 +147,7 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
         jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.JaxserveSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_KV_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKv), platform="cpu")
+        silu_table()   # now, outside any trace (see silu_table)
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         logger.warning("native CPU kernels unavailable (%s); attention uses pure jnp and matmuls XLA's dots", e)
         return None
@@ -314,12 +315,26 @@ def silu_mul_reference(gate, up):
     return jax.nn.silu(gate.astype(jnp.bfloat16)) * up.astype(jnp.bfloat16)
 
 
-@functools.cache
+_SILU_LOCK = threading.Lock()
+
+
 def silu_table() -> np.ndarray:
-    """XLA's bfloat16 silu of every bfloat16 value (indexed by its bits), as float32 [65536]."""
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        values = jnp.asarray(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16))
-        return np.asarray(jax.nn.silu(values).astype(jnp.float32))
+    """XLA's bfloat16 silu of every bfloat16 value (indexed by its bits), as float32 [65536].
+
+    Computed once, when the kernels load: computed inside the first step traced instead, the
+    warm-up's concurrent traces lowered the same bucket to different programs from one start
+    to the next (XLA's persistent cache then missed on a warm start).
+    """
+    with _SILU_LOCK:
+        if _SILU_TABLE:
+            return _SILU_TABLE[0]
+        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+            values = jnp.asarray(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16))
+            _SILU_TABLE.append(np.asarray(jax.nn.silu(values).astype(jnp.float32)))
+        return _SILU_TABLE[0]
+
+
+_SILU_TABLE: list[np.ndarray] = []
 
 
 @jax.custom_vjp
