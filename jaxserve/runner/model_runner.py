@@ -193,6 +193,11 @@ class ModelRunner:
         # (token bucket, rows) -> compiled prompt-logprobs variant, compiled on first use (not a late
         # compile of the step: it is not part of warm-up, so compiles_after_warmup leaves it out)
         self._prompt_logprobs_executables: dict[tuple[int, int], jax.stages.Compiled] = {}
+        # One step's cost beyond its tokens, in prefill tokens, for the scheduler's cut of a chunk
+        # to a bucket (`Scheduler._fit_bucket`): on CPU a step streams the weights once (~15-20 ms
+        # on the 2-core machine) against ~0.7-1.2 ms a prefill token (benchmarks/RESULTS.md). None
+        # on accelerators, not measured there: no chunk is cut. benchmarks/bucket_cut.py sets it.
+        self.step_fixed_tokens = STEP_FIXED_TOKENS_CPU if self.mesh.devices.flat[0].platform == "cpu" else None
         self.compiles_after_warmup = 0                           # late compiles (should stay 0)
         self.ready_buckets: tuple[int, ...] = tuple(self.buckets)  # the buckets a step may pick (all once warm)
         self.compiling = False                                   # a compile inside a step is running
@@ -354,14 +359,6 @@ class ModelRunner:
     def _mark_ready(self, ready: list[int]) -> None:
         """Publish the compiled buckets to the step (one assignment: the step thread reads them)."""
         self.ready_buckets = tuple(sorted(ready))
-
-    @property
-    def step_fixed_tokens(self) -> int | None:
-        """One step's cost beyond its tokens, in prefill tokens, for the scheduler's cut of a chunk to
-        a bucket (`Scheduler._fit_bucket`): on CPU a step streams the weights once (~15-20 ms on
-        the 2-core machine) against ~0.7-1.2 ms a prefill token (benchmarks/RESULTS.md). None on
-        accelerators, not measured there: no chunk is cut."""
-        return STEP_FIXED_TOKENS_CPU if self.mesh.devices.flat[0].platform == "cpu" else None
 
     @property
     def ready_budget(self) -> int | None:
