@@ -147,7 +147,10 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
         jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.JaxserveSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_KV_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKv), platform="cpu")
-        silu_table()   # now, outside any trace (see silu_table)
+        try:
+            silu_table()   # now, outside any trace (see silu_table)
+        except Exception as e:  # noqa: BLE001 - the other kernels do not need it
+            logger.warning("the native SwiGLU's silu table could not be computed (%s); a bf16 MLP keeps XLA's", e)
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         logger.warning("native CPU kernels unavailable (%s); attention uses pure jnp and matmuls XLA's dots", e)
         return None
@@ -335,6 +338,11 @@ def silu_table() -> np.ndarray:
 
 
 _SILU_TABLE: list[np.ndarray] = []
+
+
+def silu_table_ready() -> bool:
+    """True once the kernels loaded with the silu table (`silu_mul` may be traced)."""
+    return available() and bool(_SILU_TABLE)
 
 
 @jax.custom_vjp

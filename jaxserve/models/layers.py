@@ -121,10 +121,10 @@ def native_kv_write_ok() -> bool:
 
 def native_silu_mul_ok(projs: list[Proj], x: jax.Array) -> bool:
     """True when gate/up are bfloat16 without biases: the native SwiGLU (`native_cpu.silu_mul`) then
-    gives XLA's bits from their float32 products at ~4-8x XLA's rate (benchmarks/RESULTS.md).
+    gives XLA's bits from their float32 products at ~3.5x XLA's rate in the step (benchmarks/RESULTS.md).
     JAXSERVE_NATIVE_SILU=0 keeps XLA's (A/B benchmarks)."""
     return (all(p.bias is None and (p.dtype or x.dtype) == jnp.bfloat16 for p in projs)
-            and os.environ.get("JAXSERVE_NATIVE_SILU", "1") != "0")
+            and os.environ.get("JAXSERVE_NATIVE_SILU", "1") != "0" and native_cpu.silu_table_ready())
 
 
 def _unsharded() -> bool:
@@ -318,7 +318,7 @@ class MLP(nnx.Module):
         if ys is not None and native_silu_mul_ok(projs, x):
             h = native_cpu.silu_mul(*ys)                      # [T, intermediate], the same bits as below
         else:
-            gate, up = project_together(projs, x) if ys is None else [p.finish(y, x.dtype) for p, y in zip(projs, ys)]
+            gate, up = [p(x) for p in projs] if ys is None else [p.finish(y, x.dtype) for p, y in zip(projs, ys)]
             h = jax.nn.silu(gate) * up                        # [T, intermediate]
         return self.down_proj(h)                              # [T, hidden]
 

@@ -137,8 +137,10 @@ def _write_blocks(kv_caches: list[jax.Array], block_ids: jax.Array, blocks: jax.
     return [c.at[:, :, block_ids].set(per_layer[i]) for i, c in enumerate(kv_caches)]
 
 
-# A step's fixed cost in prefill tokens on CPU (see ModelRunner.step_fixed_tokens).
+# A step's fixed cost in prefill tokens on CPU (see ModelRunner.step_fixed_tokens), calibrated on
+# the 2-core machine with the default model: ~24 in bfloat16, ~18 in float32 (benchmarks/bucket_cut.py).
 STEP_FIXED_TOKENS_CPU = 24
+
 
 class ModelRunner:
     def __init__(

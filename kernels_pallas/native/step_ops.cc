@@ -4,9 +4,9 @@
 // JaxserveSiluMul: SwiGLU's elementwise half for bfloat16 models, h = silu(gate) * up, from the
 // float32 products of the gate/up projections, bit for bit as XLA computes it.
 //
-// In a bfloat16 model XLA rounds every step of silu to bfloat16 (negate, exp, add one, reciprocal,
-// multiply), so silu of a bfloat16 value is a function of its 16 bits: the caller passes XLA's
-// own results for all 65,536 of them (`table`, as float32), and this kernel looks them up
+// In a bfloat16 model XLA rounds silu's result to bfloat16 (and each step before it: negate, exp,
+// add one, reciprocal, multiply) before the product with up, so silu(bf16(gate)) is one of 65,536
+// bf16 values, one per input: the caller passes XLA's own results for all of them (`table`, as float32), and this kernel looks them up
 // instead of evaluating exp (XLA's fusion spent ~8 cycles an element on that chain). The rest
 // is exact: gate and up rounded to bfloat16 (to nearest even, NaNs kept quiet, subnormals kept,
 // as XLA's convert), one float32 product of two bfloat16 values (exact but for overflow and
@@ -33,10 +33,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bits.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
@@ -56,18 +57,13 @@ inline uint32_t bits_of(float f) {
   return b;
 }
 
-inline float float_of(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-
 inline uint16_t silu_mul_one(float gate, float up, const float* table) {
-  const float product = table[round_to_bf16(bits_of(gate))] * float_of(round_to_bf16(bits_of(up)) << 16);
+  const float product = table[round_to_bf16(bits_of(gate))] *
+                        jaxserve_native::bf16_to_f32(static_cast<uint16_t>(round_to_bf16(bits_of(up))));
   return static_cast<uint16_t>(round_to_bf16(bits_of(product)));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
 inline __m512i round_to_bf16(__m512i bits) {
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
                                                 _mm512_set1_epi32(0x7F800000));
@@ -94,7 +90,7 @@ void silu_mul_range(const float* gate, const float* up, const float* table, uint
 }
 #endif
 
-constexpr int64_t kChunk = 8192;  // elements per work item: 96 kB of inputs and output
+constexpr int64_t kChunk = 8192;  // elements per work item: 80 kB of inputs and output
 
 ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
                        ffi::Buffer<ffi::F32> table, ffi::Result<ffi::Buffer<ffi::BF16>> h) {
@@ -123,8 +119,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSiluMul, SiluMulImpl,
 
 namespace {
 
-ffi::Error WriteKvImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer kv, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slot_mapping,
-                       ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error WriteKvImpl(ffi::ThreadPool threads, ffi::AnyBuffer kv, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> out) {
   const auto kd = kv.dimensions(), td = k.dimensions();
   if (kd.size() != 5 || kd[0] != 2) return ffi::Error::InvalidArgument("write_kv: kv must be [2, KVH, NB, BS, D]");
   const int64_t KVH = kd[1], NB = kd[2], BS = kd[3], D = kd[4];
@@ -145,7 +141,7 @@ ffi::Error WriteKvImpl(ffi::ThreadPool pool_threads, ffi::AnyBuffer kv, ffi::Any
   const int32_t* slot = slot_mapping.typed_data();
   // One item per (K or V, head): each writes its own rows of the pool (stores that miss the cache,
   // one row per token, so two threads take them about twice as fast).
-  jaxserve_native::parallel_for(pool_threads, 2 * KVH, std::max<int64_t>(1, pool_threads.num_threads()), [&](int64_t item) {
+  jaxserve_native::parallel_for(threads, 2 * KVH, std::max<int64_t>(1, threads.num_threads()), [&](int64_t item) {
     const int64_t half = item / KVH, h = item % KVH;
     char* dst = pool + item * slots * row;
     for (int64_t t = 0; t < T; ++t) {

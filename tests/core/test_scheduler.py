@@ -191,15 +191,52 @@ def test_a_lone_prompt_is_cut_at_a_bucket_when_padding_costs_more(prompt, chunks
     assert got == chunks
 
 
-def test_cut_chunks_give_the_same_tokens_and_kv_as_whole_ones():
-    """Same prompts with and without cutting: the same sampled tokens and the same cache contents."""
+def test_cut_chunks_give_the_same_tokens_and_a_consistent_cache():
+    """Prompts arriving one step apart, so their chunks are cut (checked), against the same run
+    uncut: the same sampled tokens, and every step the pool's ref counts and the prefix cache's
+    blocks match what the fake runner wrote (prefix caching on, a prefix shared between prompts)."""
+    from .sim import assert_pool_consistent
+
     def run(cut):
-        s, r = bucketed() if cut else make_scheduler(max_num_batched_tokens=512, max_model_len=1024, num_blocks=512)
-        for i, n in enumerate((300, 71, 162)):
-            s.add_request(req(f"r{i}", n, max_tokens=5, start=1000 * i))
-        results, steps = run_until_done(s, r)
-        return results, steps
-    assert run(True)[0] == run(False)[0]
+        s, r = bucketed()
+        if not cut:
+            s.step_buckets = None
+        arrivals = [req("r0", 300, max_tokens=6), req("r1", 130, max_tokens=6, start=5000),
+                    req("r2", 162, max_tokens=6), req("r3", 71, max_tokens=6, start=9000)]   # r2 shares r0's prefix
+        seen, hashes, results, chunks = [], {}, {}, []
+        while arrivals or s.has_unfinished_requests():
+            if arrivals:
+                seen.append(arrivals.pop(0))
+                s.add_request(seen[-1])
+            out, outs = step(s, r)
+            chunks.append(dict(out.num_scheduled_tokens))
+            assert_pool_consistent(s, r, seen, hashes)
+            for o in outs:
+                results[o.req_id] = results.get(o.req_id, []) + o.new_token_ids
+        return results, chunks
+
+    cut, cut_chunks = run(True)
+    whole, whole_chunks = run(False)
+    assert cut == whole and all(len(t) == 6 for t in cut.values())
+    assert cut_chunks != whole_chunks and cut_chunks[0] == {"r0": 256}
+
+
+def test_drafts_of_later_decodes_count_toward_the_cut():
+    """With speculative decoding, a decode after a cut prefill may add drafts: the cut leaves room
+    for them (4 each), so the step still ends within the bucket it was cut to."""
+    from jaxserve.core.speculative import SpeculativeConfig
+
+    s, r = bucketed(speculative=SpeculativeConfig("ngram", 4, 1, 2), long_prefill_token_threshold=256)
+    s.add_request(req("p", 600, max_tokens=2))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"p": 256}
+    # d runs after p; the fake runner samples 5 after its prompt, so the n-gram lookup drafts 6, 7, 8, 9
+    s.add_request(Request("d", [5, 6, 7, 8, 9, 10, 11, 331], SamplingParams(max_tokens=40)))
+    out, _ = step(s, r)
+    assert out.num_scheduled_tokens == {"p": 256, "d": 8}   # d waited: p was not the last prefill
+    out, _ = step(s, r)                                      # p's last 88, d decodes with drafts
+    drafts = out.scheduled_spec_decode_tokens.get("d", [])
+    assert drafts and out.num_scheduled_tokens["p"] == 64 - 5 and out.total_num_scheduled_tokens <= 64
 
 
 def test_decodes_count_toward_the_step_the_chunk_is_cut_to():

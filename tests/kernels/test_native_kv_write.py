@@ -47,6 +47,16 @@ def test_native_write_equals_the_scatter(pool_dtype, kv_dtype, tokens):
     assert (got != np.asarray(pool)).any()
 
 
+def test_padding_tokens_all_writing_slot_zero_leave_the_rest_right():
+    """The runner sends padding tokens to slot 0 (the null block), many of them: whichever wins
+    there, every other slot holds what the scatter writes."""
+    pool, k, v, slots = case(jnp.uint16, jnp.bfloat16, 20, seed=5)
+    slots = jnp.asarray(np.where(np.arange(20) >= 12, 0, np.abs(np.asarray(slots)) % (NB * BS - BS) + BS), np.int32)
+    want = np.asarray(jax.jit(write_kv_cache)(pool, k, v, slots))
+    got = np.asarray(jax.jit(native_cpu.write_kv)(pool, k, v, slots))
+    np.testing.assert_array_equal(got[:, :, 1:], want[:, :, 1:])
+
+
 def test_native_write_updates_the_donated_pool_in_place():
     pool, k, v, slots = case(jnp.uint16, jnp.bfloat16, 7)
     before = pool.unsafe_buffer_pointer()
