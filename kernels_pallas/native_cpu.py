@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.ragged_paged_attention import check_kv_write
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
@@ -319,6 +321,7 @@ def silu_mul_reference(gate, up):
 
 
 _SILU_LOCK = threading.Lock()
+_SILU_TABLE: list[np.ndarray] = []   # silu_table()'s one result
 
 
 def silu_table() -> np.ndarray:
@@ -335,9 +338,6 @@ def silu_table() -> np.ndarray:
             values = jnp.asarray(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16))
             _SILU_TABLE.append(np.asarray(jax.nn.silu(values).astype(jnp.float32)))
         return _SILU_TABLE[0]
-
-
-_SILU_TABLE: list[np.ndarray] = []
 
 
 def silu_table_ready() -> bool:
@@ -370,7 +370,6 @@ def write_kv(kv_cache, k, v, slot_mapping):
     copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/step_ops.cc`). Not
     differentiable (the training path has no cache). Call `available()` first.
     """
-    from kernels_pallas.ragged_paged_attention import check_kv_write
     check_kv_write(kv_cache, k, v, slot_mapping)
     if kv_cache.dtype == jnp.uint16:   # the bits of k's 16-bit float type, as the jnp write stores them
         k, v = [jax.lax.bitcast_convert_type(x.astype(k.dtype), jnp.uint16) for x in (k, v)]

@@ -138,21 +138,17 @@ class Scheduler:
         speculate = spec is not None and (spec.disable_by_batch_size is None
                                           or len(self.running) < spec.disable_by_batch_size)
         # Running requests first: each catches up as far as the budget allows.
-        sized = False   # a prefill chunk was cut to end the step at a bucket: no more prefill tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new > 1 and sized:   # a safety belt: a cut needs every later request to decode
-                num_new = 0
-            elif num_new > 1 and not self.ready and not len(self.waiting):
+            if num_new > 1 and not self.ready and not len(self.waiting):
                 # the step's last prefill (none waits, none runs after it): cut to a bucket? Each later
                 # decode counts with the drafts it may add, so they cannot push the step past the cut.
                 later = [r.num_tokens - r.num_computed_tokens for r in self.running[i + 1:]]
                 if all(n <= 1 for n in later):
                     per_decode = 1 + (spec.num_speculative_tokens if speculate else 0)
-                    fitted = self._fit_bucket(sum(num_scheduled.values()), num_new, per_decode * sum(later))
-                    sized, num_new = fitted < num_new, fitted
+                    num_new = self._fit_bucket(sum(num_scheduled.values()), num_new, per_decode * sum(later))
             if num_new == 0:
                 i += 1
                 continue
@@ -185,15 +181,14 @@ class Scheduler:
         # unless this step had to preempt.
         def admit(request: Request, computed_blocks, num_computed: int, last: bool) -> bool:
             """`last`: no other request waits to join the step (its chunk may be cut to a bucket)."""
-            nonlocal sized
             remaining = request.num_tokens - num_computed
             if not cfg.enable_chunked_prefill and remaining > budget:
                 return False
             num_new = self._chunk(remaining, budget)
-            fitted = self._fit_bucket(sum(num_scheduled.values()), num_new, 0) if last else num_new
-            if self.kv.allocate_slots(request, fitted, computed_blocks, num_computed) is None:
+            if last:
+                num_new = self._fit_bucket(sum(num_scheduled.values()), num_new, 0)
+            if self.kv.allocate_slots(request, num_new, computed_blocks, num_computed) is None:
                 return False
-            sized, num_new = fitted < num_new, fitted
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -213,7 +208,7 @@ class Scheduler:
             ))
             return True
 
-        while not preempted and not sized and self.ready and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while not preempted and self.ready and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.ready[0]
             if admit(request, [], request.num_computed_tokens, last=len(self.ready) == 1 and not len(self.waiting)):
                 self.ready.pop(0)
@@ -222,7 +217,7 @@ class Scheduler:
                 self._unload(self.ready.pop())   # pulled requests alone fill the pool: one starts over
             else:
                 break
-        while not preempted and not sized and not self.ready and len(self.waiting) and budget > 0 \
+        while not preempted and not self.ready and len(self.waiting) and budget > 0 \
                 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
             if request.wait_for in self.loading:

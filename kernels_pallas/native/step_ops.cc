@@ -6,8 +6,9 @@
 //
 // In a bfloat16 model XLA rounds silu's result to bfloat16 (and each step before it: negate, exp,
 // add one, reciprocal, multiply) before the product with up, so silu(bf16(gate)) is one of 65,536
-// bf16 values, one per input: the caller passes XLA's own results for all of them (`table`, as float32), and this kernel looks them up
-// instead of evaluating exp (XLA's fusion spent ~8 cycles an element on that chain). The rest
+// bf16 values, one per input: the caller passes XLA's own results for all of them (`table`, as
+// float32), and this kernel looks them up instead of evaluating exp (XLA's fusion spent ~8
+// cycles an element on that chain). The rest
 // is exact: gate and up rounded to bfloat16 (to nearest even, NaNs kept quiet, subnormals kept,
 // as XLA's convert), one float32 product of two bfloat16 values (exact but for overflow and
 // underflow) and its rounding to bfloat16.
