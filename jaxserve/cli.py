@@ -45,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on one request's prefill chunk per step (0: none)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and launch each step while the one before runs, feeding its sampled tokens on "
+                        "the device (steps run one by one while a request uses a grammar, penalties or drafts, "
+                        "and with data parallelism, several processes or a KV role)")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     g.add_argument("--token-buckets", type=_int_list, default=None,
                    help="comma-separated token counts to compile the step for, ending at the budget "
@@ -79,7 +83,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
+        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
+        max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=_data_parallel_size(args),
         attention_backend=args.attention_backend, attention_self_check=args.attention_self_check,
         seed=args.seed, token_buckets=args.token_buckets, speculative_config=args.speculative_config,

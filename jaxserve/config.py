@@ -35,6 +35,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0     # cap on one request's prefill chunk (0: none)
     scheduling_policy: str = "fcfs"           # "fcfs" or "priority"
+    async_scheduling: bool = True             # schedule and launch step N + 1 while step N runs (its sampled
+                                              # tokens stay on the device); where a request needs its last token
+                                              # on the host first (grammars, penalties, drafts), steps run one by one
     max_logprobs: int = 20                    # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] | None = None  # token counts the step is compiled for (default: powers
                                               # of two up to the budget); fewer buckets = faster warm-up

@@ -45,6 +45,12 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens computed after each listed request's last token this step
     # (its num_scheduled_tokens counts them); the runner samples at each and keeps what matches.
     scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # The requests whose scheduled tokens reach their last token (known or pending): they sample
+    # this step. The others computed a prefill chunk short of the prompt's end.
+    sampling_req_ids: set[str] = dataclasses.field(default_factory=set)
+    # Request.serial of each scheduled request: the update of a step that finishes after its
+    # request ended (and the id went to a new request) leaves the new one alone.
+    request_serials: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -7,6 +7,7 @@ thread (scheduler) until it finishes. Plain Python: no jax.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 from jaxserve.core.hashing import BlockHash, hash_block_tokens
@@ -39,6 +40,9 @@ _FINISH_REASONS = {
 }
 
 
+_serials = itertools.count()
+
+
 class Request:
     """One sequence to generate. `n > 1` is several sibling Requests (engine level)."""
 
@@ -58,6 +62,9 @@ class Request:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
         self.request_id = request_id
+        # Unique per Request object: a step still in flight when its request ends must not touch a
+        # later request that reuses the id.
+        self.serial = next(_serials)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
@@ -78,6 +85,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache (after the last schedule)
+        # Tokens being sampled by steps launched but not yet collected (their ids are not known):
+        # 1 between a step's schedule and its update; 2 while a step overlaps the next one's
+        # scheduling (the engine's async scheduling). The next step computes them as placeholders.
+        self.num_pending = 0
         self.num_cached_tokens = -1    # prefix-cache hit at first admission (-1: not admitted yet)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it

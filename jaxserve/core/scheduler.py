@@ -141,11 +141,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending and self._ends_with_pending(request):
+                i += 1      # its last token is being sampled: the update ends it
+                continue
+            num_new = self._chunk(self._num_uncomputed(request), budget)
             if num_new > 1 and not self.ready and not len(self.waiting):
                 # the step's last prefill (none waits, none runs after it): cut to a bucket? Each later
                 # decode counts with the drafts it may add, so they cannot push the step past the cut.
-                later = [r.num_tokens - r.num_computed_tokens for r in self.running[i + 1:]]
+                later = [self._num_uncomputed(r) for r in self.running[i + 1:]]
                 if all(n <= 1 for n in later):
                     per_decode = 1 + (spec.num_speculative_tokens if speculate else 0)
                     num_new = self._fit_bucket(sum(num_scheduled.values()), num_new, per_decode * sum(later))
@@ -235,8 +238,14 @@ class Scheduler:
             self.waiting.pop()
             budget -= num_scheduled[request.request_id]
 
+        sampling, serials = set(), {}
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            serials[req_id] = request.serial
+            if request.num_computed_tokens >= request.num_tokens + request.num_pending:
+                request.num_pending += 1      # this step samples its next token
+                sampling.add(req_id)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -246,7 +255,22 @@ class Scheduler:
             preempted_req_ids=preempted,
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=spec_tokens,
+            sampling_req_ids=sampling,
+            request_serials=serials,
         )
+
+    @staticmethod
+    def _num_uncomputed(request: Request) -> int:
+        """Tokens to compute before the request samples again: its known tokens and the pending
+        ones (sampled by a step in flight, fed to the next step on the device) not in the cache."""
+        return request.num_tokens + request.num_pending - request.num_computed_tokens
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """The request's pending tokens reach max_tokens or the context length: the update that
+        brings them finishes it, so no later step is scheduled for it."""
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + request.num_pending >= max_tokens)
+                or request.num_tokens + request.num_pending >= self.config.max_model_len)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """n-gram draft tokens for a decoding request, within what the budget, max_model_len and
@@ -358,6 +382,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending = 0     # a token a step in flight samples for it is dropped, and sampled again
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -373,15 +398,17 @@ class Scheduler:
         for req_id, token_ids, lp, plp in zip(runner_output.req_ids, runner_output.sampled_token_ids, logprobs,
                                               prompt_logprobs):
             request = requests.get(req_id)
-            if request is None or request.status != running:
-                continue  # aborted or preempted while the step ran
+            if (request is None or request.status != running
+                    or request.serial != scheduler_output.request_serials.get(req_id)):
+                continue  # aborted, preempted or finished while the step ran (the id may be another's now)
             new_prompt_lps = self._new_prompt_logprobs(request, *plp) if plp is not None else None
-            if request.num_computed_tokens < len(request.all_token_ids):
+            if req_id not in scheduler_output.sampling_req_ids:
                 # A prefill chunk that did not reach the end of the prompt yet: only prompt logprobs.
                 if new_prompt_lps:
                     outputs.append(EngineCoreOutput(req_id, [], [], num_cached_tokens=max(request.num_cached_tokens, 0),
                                                     new_prompt_logprobs=new_prompt_lps))
                 continue
+            request.num_pending -= 1
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
                 # The runner kept len(token_ids) - 1 drafts; the KV of the rest is rewritten later.

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import EngineConfig
-from jaxserve.core import Request, RequestStatus, SamplingParams
+from jaxserve.core import Request, RequestStatus, SamplingParams, SchedulerOutput
 from jaxserve.core.kv_transfer import ExportRegistry, IncompatibleKVError, KVTransferParams, KVTransferStats
 from jaxserve.engine.builder import Replica, build_engine_parts
 from jaxserve.engine.kv_connector import KVConnector, PullResult
@@ -82,6 +82,8 @@ class LLMEngine:
             atexit.register(self.shutdown)
         self.num_prompt_tokens_total = 0      # prompt tokens computed (not served from the cache)
         self.num_generation_tokens_total = 0
+        self._in_flight: list | None = None   # async scheduling: the launched step not yet collected
+        self.async_scheduling = self.config.async_scheduling   # may be switched between steps
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.kv_role = self.config.kv_role
         self.compat_hash = compat_hash(self._checkpoint_model_config, self.model_name, self.config)
@@ -278,7 +280,34 @@ class LLMEngine:
                 replica.scheduler.finish_requests([core_id], status)
 
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs it brings.
+
+        With async scheduling the next step is scheduled and launched before this one's sampled
+        tokens come back (it reads them on the device): the host's scheduling, input preparation
+        and output processing overlap the device's work instead of following it. A request that
+        stops on a token (EOS, a stop token or string) then has one more token computed and
+        dropped. Steps run one by one (the next one is scheduled after this one's update) while a
+        running request needs its last token on the host first: a grammar's bitmask, penalties'
+        counts, n-gram drafts; and with data parallelism, several processes or a KV role.
+        """
         outputs = self._land_kv_pulls(self.kv_connector.done()) if self.kv_connector is not None else []
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            plans = self._schedule()
+            if self.kv_connector is not None:
+                self._start_kv_pulls()
+                if all(so.is_empty for _, so in plans) and self.kv_connector.num_pending:
+                    # Only pulls are in flight: wait for one instead of spinning.
+                    return outputs + self._land_kv_pulls(self.kv_connector.done(timeout=0.05))
+            launched = self._launch(plans)
+        if self._can_overlap():
+            # Launched even when empty: the runner learns which requests ended.
+            following = self._launch(self._schedule(), prev=launched)
+            if any(handle.outs is not None for *_, handle in following):
+                self._in_flight = following
+        return outputs + self._finish(launched)
+
+    def _schedule(self) -> list[tuple[Replica, SchedulerOutput]]:
         now = time.monotonic()
         for replica in self.replicas:   # while larger buckets still compile in the background
             replica.scheduler.token_budget_cap = replica.runner.ready_budget
@@ -294,16 +323,20 @@ class LLMEngine:
                 state = self.output_processor.request_of(new.req_id)
                 if state is not None and state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
-        if self.kv_connector is not None:
-            self._start_kv_pulls()
-            if all(so.is_empty for _, so in plans) and self.kv_connector.num_pending:
-                # Only pulls are in flight: wait for one instead of spinning.
-                return outputs + self._land_kv_pulls(self.kv_connector.done(timeout=0.05))
+        return plans
+
+    def _launch(self, plans, prev: list | None = None) -> list:
+        """Dispatch every replica's step before any result is awaited: replicas run together.
+        `prev`: the launched steps still in flight, whose sampled tokens these steps read."""
         if self._channel is not None:
             self._channel.publish([so for _, so in plans])
-        # Every replica's step is dispatched before any result is awaited: replicas run together.
-        launched = [(replica, so, replica.runner.launch(so, _sampling_grammars(replica.scheduler, so)))
-                    for replica, so in plans]
+        before = {id(replica): handle for replica, _, handle in prev or ()}
+        return [(replica, so, replica.runner.launch(so, _sampling_grammars(replica.scheduler, so),
+                                                    before.get(id(replica))))
+                for replica, so in plans]
+
+    def _finish(self, launched: list) -> list[RequestOutput]:
+        """Wait for launched steps; apply their tokens to the schedulers and make the outputs."""
         core_outputs = []
         for replica, so, handle in launched:
             core_outputs += replica.scheduler.update_from_output(so, replica.runner.collect(handle))
@@ -315,7 +348,23 @@ class LLMEngine:
         self._finish_core(stopped, RequestStatus.FINISHED_STOPPED)   # stop strings end them here
         if self.exports is not None:
             self._export_kv(processed)
-        return outputs + processed
+        return processed
+
+    def _can_overlap(self) -> bool:
+        """May the next step be scheduled before the one in flight is collected?"""
+        if (not self.async_scheduling or len(self.replicas) > 1 or self._channel is not None
+                or self.kv_role is not None):
+            return False
+        scheduler = self.scheduler
+        if scheduler.config.speculative is not None or not scheduler.has_unfinished_requests():
+            return False
+        return not any(r.grammar is not None or r.sampling_params.uses_penalties for r in scheduler.running)
+
+    def _drain(self) -> None:
+        """Collect a step still in flight whose requests have all ended (its tokens are dropped)."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._finish(launched)
 
     def _export_kv(self, outputs: list[RequestOutput]) -> None:
         """Gather the blocks of the produce requests that just finished (before any later step reuses
@@ -421,6 +470,7 @@ class LLMEngine:
                                "flight; let them finish (step until has_unfinished_requests() is False) or abort them")
         if self._channel is not None:
             raise RuntimeError(f"{what} is for single-process engines")
+        self._drain()
 
     def update_params(self, params: Any) -> None:
         """Serve new weights from the next step: all of the model's params or a subset (e.g. merged
@@ -495,9 +545,9 @@ class LLMEngine:
 def _sampling_grammars(scheduler, so) -> dict | None:
     """{request id: Grammar} of the structured-output requests that sample in this step."""
     grammars = {}
-    for req_id in so.num_scheduled_tokens:
+    for req_id in so.sampling_req_ids:
         request = scheduler.requests[req_id]
-        if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
+        if request.grammar is not None:
             grammars[req_id] = request.grammar
     return grammars or None
 

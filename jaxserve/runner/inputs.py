@@ -18,6 +18,7 @@ from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.runner.sampler import SamplingMetadata
 
 MAX_BANNED = 8   # EOS + stop token ids masked while a request is under min_tokens
+PENDING = -1     # a token id a step in flight samples: the next step reads it from that step's output
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class RequestState:
     sampling_params: SamplingParams
     seed: int
     eos_token_ids: tuple[int, ...] = ()
+    pending_row: int = -1                # while token_ids ends with PENDING: its row in the step sampling it
 
     @property
     def num_output_tokens(self) -> int:
@@ -42,6 +44,8 @@ class RequestState:
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     input_ids: jax.Array         # [T] int32 token ids of the flat batch (padding 0)
+    prev_rows: jax.Array         # [T] int32 for a token a step in flight samples (PENDING in input_ids): its
+                                 # row of that step's sampled tokens, which the step reads on the device; else -1
     positions: jax.Array         # [T] int32 absolute position of each token (padding 0)
     logits_indices: jax.Array    # [R] int32 flat index of each sampling row's token (padding 0): a sequence's
                                  # last scheduled token, and with drafts the last real token and each draft
@@ -167,6 +171,7 @@ def prepare_inputs(
     drafts = drafts or {}
     R = num_rows or S
     input_ids = np.zeros(T, np.int32)
+    prev_rows = np.full(T, -1, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.zeros(T, np.int32)
     block_tables = np.zeros((S, max_blocks_per_seq), np.int32)
@@ -199,6 +204,9 @@ def prepare_inputs(
         pos = np.arange(start, end, dtype=np.int32)
         extra = drafts.get(st.req_id, ())
         input_ids[t:t + n] = (st.token_ids + list(extra) if extra else st.token_ids)[start:end]
+        if st.token_ids[-1] == PENDING:   # only ever the last token, and this step computes it
+            assert end == len(st.token_ids) and not extra, (st.req_id, start, end, len(st.token_ids))
+            prev_rows[t + n - 1] = st.pending_row
         positions[t:t + n] = pos
         blocks = np.asarray(st.block_ids, np.int32)
         slot_mapping[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
@@ -220,6 +228,7 @@ def prepare_inputs(
         # Penalties and min_tokens' bans need the tokens before each row: the scheduler proposes
         # no drafts for such requests, so they have one row.
         if penalised and p.uses_penalties:
+            assert st.token_ids[-1] != PENDING, f"request {st.req_id} needs its last token on the host (penalties)"
             presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             output_ids[r, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
             prompt_ids[r, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]
@@ -246,7 +255,7 @@ def prepare_inputs(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, sample_index=sample_index,
         output_token_ids=output_ids, prompt_token_ids=prompt_ids)
-    return StepInputs(input_ids=input_ids, positions=positions, logits_indices=logits_indices,
+    return StepInputs(input_ids=input_ids, prev_rows=prev_rows, positions=positions, logits_indices=logits_indices,
                       banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), token_bitmask=bitmask,
                       use_bitmask=np.bool_(bool(grammars)), attn=attn,
                       sampling=sampling)

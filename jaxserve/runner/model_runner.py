@@ -38,9 +38,9 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.runner.inputs import (PromptLogprobsInputs, RequestState, StepInputs, first_buckets, later_buckets,
-                                    num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket, prepare_inputs,
-                                    prepare_prompt_logprobs, token_buckets)
+from jaxserve.runner.inputs import (PENDING, PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
+                                    later_buckets, num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket,
+                                    prepare_inputs, prepare_prompt_logprobs, token_buckets)
 from jaxserve.runner.sampler import fast_top_k, sample
 from kernels_pallas import kv_pool_dtype
 from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
@@ -51,15 +51,20 @@ _PROMPT_LOGPROBS_ROWS = 256   # positions per chunk of prompt logits: peak memor
 
 
 def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inputs: StepInputs,
-            prompt: PromptLogprobsInputs | None = None):
+            prev_tokens: jax.Array, prompt: PromptLogprobsInputs | None = None):
     """One forward + sampling step; pure, so callers may bring their own params.
 
-    Returns (kv_caches, token_ids [S], token_logprobs [S], top_ids [S, K], top_logprobs [S, K]),
-    and with `prompt` also (prompt_token_logprobs [T], prompt_top_ids [T, K],
-    prompt_top_logprobs [T, K]) at every flat position (a separate compiled variant).
+    `prev_tokens` [P] int32: the sampled tokens of the step before (its first output), whose rows
+    `inputs.prev_rows` names for the tokens the host did not know yet (async scheduling); any [P]
+    array when none. Returns (kv_caches, token_ids [P] (rows past S are 0), token_logprobs [S],
+    top_ids [S, K], top_logprobs [S, K]), and with `prompt` also (prompt_token_logprobs [T],
+    prompt_top_ids [T, K], prompt_top_logprobs [T, K]) at every flat position (a separate
+    compiled variant). P is the same for every bucket, so any step can feed any other.
     """
     model = nnx.merge(graphdef, params)
-    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)  # [T, hidden]
+    rows = inputs.prev_rows
+    input_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.input_ids)
+    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)  # [T, hidden]
     logits = model.compute_logits(hidden[inputs.logits_indices])                          # [S, V] f32
     num_seqs, vocab = logits.shape
     # Under min_tokens, EOS and stop tokens cannot be sampled.
@@ -78,17 +83,20 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
                 jnp.zeros((num_seqs, max_logprobs), jnp.float32))
 
     token_logprobs, top_ids, top_lps = lax.cond(inputs.want_logprobs, with_logprobs, without, logits, token_ids)
+    token_ids = jnp.zeros_like(prev_tokens).at[:num_seqs].set(token_ids)
     if prompt is None:
         return kv_caches, token_ids, token_logprobs, top_ids, top_lps
     return (kv_caches, token_ids, token_logprobs, top_ids, top_lps,
             *_prompt_logprobs(model, hidden, prompt, max_logprobs))
 
 
-def _step_from_leaves(graphdef, param_tree, max_logprobs: int, param_leaves, kv_caches, inputs, prompt=None):
+def _step_from_leaves(graphdef, param_tree, max_logprobs: int, param_leaves, kv_caches, inputs, prev_tokens,
+                      prompt=None):
     """`step_fn` with the params passed as their leaves: the compiled step's call flattens a tuple
     of arrays in C++, where an nnx State costs a Python callback per Variable and more checks
     (~2 ms a call for the default model, on the step's critical path)."""
-    return step_fn(graphdef, max_logprobs, jax.tree.unflatten(param_tree, param_leaves), kv_caches, inputs, prompt)
+    return step_fn(graphdef, max_logprobs, jax.tree.unflatten(param_tree, param_leaves), kv_caches, inputs,
+                   prev_tokens, prompt)
 
 
 def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -189,6 +197,11 @@ class ModelRunner:
         self._write = jax.jit(_write_blocks, donate_argnums=(0,), out_shardings=kv_out)
         self._kv_transfer_executables: dict[tuple[str, int], jax.stages.Compiled] = {}
         self.states: dict[str, RequestState] = {}
+        # Every step returns its sampled tokens padded to one length, so the next step (any bucket)
+        # can read the ones the host has not seen yet (async scheduling); without a step in flight,
+        # it gets these zeros.
+        self.max_rows = max(max(self.rows(b), self.rows(b, speculative=True)) for b in self.buckets)
+        self._no_prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), rep)
         # (token bucket, sampling rows) -> compiled step; rows are the sequence slots, or with
         # speculative decoding also the larger count a step with drafts needs (`spec_rows`)
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
@@ -325,9 +338,10 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             if prompt_logprobs:
                 prompt = PromptLogprobsInputs(next_token_ids=np.zeros(bucket, np.int32), want_top=np.bool_(False))
-                lowered = self.prompt_logprobs_step.lower(self._param_leaves, self.kv_caches, inputs, prompt)
+                lowered = self.prompt_logprobs_step.lower(self._param_leaves, self.kv_caches, inputs,
+                                                          self._no_prev_tokens, prompt)
             else:
-                lowered = self.step.lower(self._param_leaves, self.kv_caches, inputs)
+                lowered = self.step.lower(self._param_leaves, self.kv_caches, inputs, self._no_prev_tokens)
         return lowered.compile()
 
     def warmup(self, max_workers: int = 2, *, background_after: int = 0) -> None:
@@ -444,12 +458,16 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput, grammars: dict | None = None) -> ModelRunnerOutput:
         return self.collect(self.launch(so, grammars))
 
-    def launch(self, so: SchedulerOutput, grammars: dict | None = None) -> "_Launched":
+    def launch(self, so: SchedulerOutput, grammars: dict | None = None,
+               prev: "_Launched | None" = None) -> "_Launched":
         """Apply the scheduler's diffs and dispatch the step; returns before the device finishes.
         `grammars`: {request id: Grammar} of the structured-output requests that sample this step.
+        `prev`: the step still in flight (launched, not collected), whose sampled tokens this one
+        takes as inputs on the device where the host does not know them yet (async scheduling).
 
-        Data-parallel replicas launch every replica's step before collecting any, so the
-        replicas' devices run at the same time.
+        The request states move on at launch: each sampling request's next token is a PENDING
+        placeholder until `collect` writes it. Data-parallel replicas launch every replica's step
+        before collecting any, so the replicas' devices run at the same time.
         """
         self._update_states(so)
         scheduled = [(self.states[req_id], n) for req_id, n in so.num_scheduled_tokens.items()]
@@ -461,11 +479,15 @@ class ModelRunner:
         drafts = so.scheduled_spec_decode_tokens
         key = (bucket, self.rows(bucket, speculative=bool(drafts)))
         inputs = self._prepare(scheduled, bucket, grammars, drafts, key[1])
+        waits = bool((inputs.prev_rows >= 0).any())
+        if waits and (prev is None or prev.outs is None):
+            raise RuntimeError("a request's last token is still being sampled, but no step in flight was given")
+        prev_tokens = prev.outs[0] if waits else self._no_prev_tokens
         prompt = prepare_prompt_logprobs(scheduled, num_tokens_bucket=bucket)
         extra = () if prompt is None else (prompt,)
         try:
             self.kv_caches, *outs = self._executable(key, prompt is not None)(self._param_leaves, self.kv_caches,
-                                                                              inputs, *extra)
+                                                                              inputs, prev_tokens, *extra)
         except Exception as e:
             deleted = [path for path, a in self.param_arrays().items() if isinstance(a, jax.Array) and a.is_deleted()]
             if deleted:
@@ -476,7 +498,18 @@ class ModelRunner:
             logger.error("step failed: bucket=%d seqs=%d prompt_logprobs=%s input shapes=%s", bucket,
                          len(scheduled), prompt is not None, jax.tree.map(np.shape, inputs))
             raise
-        return _Launched(scheduled, outs, drafts)
+        # Move the states on: the computed tokens, and a placeholder for each token sampled.
+        spans, sampling, row = [], [], 0
+        for st, n in scheduled:
+            spans.append((st.num_computed_tokens + 1, num_prompt_logprob_positions(st, n)))
+            req_drafts = drafts.get(st.req_id, [])
+            st.num_computed_tokens += n
+            if st.num_computed_tokens >= len(st.token_ids):
+                sampling.append(_Sampling(st, row, len(st.token_ids), req_drafts))
+                st.token_ids.append(PENDING)
+                st.pending_row = row
+            row += 1 + len(req_drafts)
+        return _Launched(scheduled, outs, drafts, sampling, spans)
 
     def collect(self, launched: "_Launched") -> ModelRunnerOutput:
         """Wait for a launched step and turn its sampled tokens into plain data."""
@@ -488,45 +521,40 @@ class ModelRunner:
         token_ids, token_lps, top_ids, top_lps, *prompt_outs = jax.device_get(
             [x.addressable_data(0) for x in launched.outs])
 
-        req_ids, sampled, logprobs = [], [], []
-        prompt_logprobs = _prompt_logprobs_per_request(scheduled, *prompt_outs) if prompt_outs else None
-        row = 0
-        for st, n in scheduled:
-            i, drafts = row, launched.drafts.get(st.req_id, [])
-            row += 1 + len(drafts)
-            st.num_computed_tokens += n
-            req_ids.append(st.req_id)
-            if st.num_computed_tokens < len(st.token_ids):
-                sampled.append([])        # mid-prompt chunk: nothing to sample yet
-                logprobs.append(None)
-                continue
+        prompt_logprobs = (_prompt_logprobs_per_request(scheduled, launched.prompt_spans, *prompt_outs)
+                           if prompt_outs else None)
+        new_tokens, logprobs = {}, {}
+        for s in launched.sampling:
+            st, i = s.state, s.row
             # Rows i.. hold the token sampled after the last real token and after each draft; a draft
             # is kept while it equals the token sampled before it, and the rest are rolled back.
             new = [int(token_ids[i])]
-            for draft in drafts:
+            for draft in s.drafts:
                 if draft != new[-1]:
                     break
                 new.append(int(token_ids[i + len(new)]))
-            st.num_computed_tokens -= len(drafts) - (len(new) - 1)
-            st.token_ids += new
-            sampled.append(new)
+            st.num_computed_tokens -= len(s.drafts) - (len(new) - 1)
+            st.token_ids[s.position:s.position + 1] = new     # with drafts no later step is in flight
+            new_tokens[st.req_id] = new
             k = st.sampling_params.logprobs
-            logprobs.append(None if k is None else Logprobs(
-                float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+            if k is not None:
+                logprobs[st.req_id] = Logprobs(float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist())
+        req_ids = [st.req_id for st, _ in scheduled]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[new_tokens.get(r, []) for r in req_ids],
+                                 logprobs=[logprobs.get(r) for r in req_ids], prompt_logprobs=prompt_logprobs)
 
 
-def _prompt_logprobs_per_request(scheduled, token_lps, top_ids, top_lps) -> list[tuple[int, list[Logprobs]] | None]:
-    """Each request's rows of the flat prompt-logprobs outputs, before num_computed_tokens moves on:
-    (index of the first prompt token covered, its entries) or None."""
+def _prompt_logprobs_per_request(scheduled, spans, token_lps, top_ids,
+                                 top_lps) -> list[tuple[int, list[Logprobs]] | None]:
+    """Each request's rows of the flat prompt-logprobs outputs: (index of the first prompt token
+    covered, its entries) or None. `spans`: per request, that index and its number of positions,
+    taken at launch."""
     out, t = [], 0
-    for st, n in scheduled:
-        m = num_prompt_logprob_positions(st, n)
+    for (st, n), (first, m) in zip(scheduled, spans):
         if m:
             k = st.sampling_params.prompt_logprobs
             rows = zip(token_lps[t:t + m].tolist(), top_ids[t:t + m, :k].tolist(), top_lps[t:t + m, :k].tolist())
-            out.append((st.num_computed_tokens + 1, [Logprobs(lp, ids, lps) for lp, ids, lps in rows]))
+            out.append((first, [Logprobs(lp, ids, lps) for lp, ids, lps in rows]))
         else:
             out.append(None)
         t += n
@@ -534,7 +562,21 @@ def _prompt_logprobs_per_request(scheduled, token_lps, top_ids, top_lps) -> list
 
 
 @dataclasses.dataclass
+class _Sampling:
+    """A request that samples in a launched step: its first row, and where its PENDING token sits."""
+
+    state: RequestState
+    row: int
+    position: int                      # index of the placeholder in state.token_ids
+    drafts: list[int]                  # speculative drafts after its last token (rows row + 1 ..)
+
+
+@dataclasses.dataclass
 class _Launched:
     scheduled: list[tuple[RequestState, int]]
-    outs: list[jax.Array] | None     # token_ids, token_logprobs, top_ids, top_logprobs[, the prompt three] (on device)
+    outs: list[jax.Array] | None     # token_ids [max_rows], token_logprobs, top_ids, top_logprobs[, the prompt
+                                     # three] (on device)
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)   # speculative drafts of this step
+    sampling: list[_Sampling] = dataclasses.field(default_factory=list)
+    # per scheduled request: (first prompt token whose logprob the step computes, how many)
+    prompt_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)

@@ -19,6 +19,12 @@ class FakeRunner:
         return (sum(tokens) * 31 + len(tokens)) % self.vocab
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the step at once (as the device would, in launch order) and hold its result
+        for `collect`: with async scheduling the scheduler sees the tokens only then, while the
+        next step, launched before that, already reads them (here: from this runner's state)."""
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.state.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -43,6 +49,7 @@ class FakeRunner:
             st["computed"] = start + n
             req_ids.append(req_id)
             if st["computed"] >= len(st["tokens"]):
+                assert req_id in out.sampling_req_ids, f"{req_id} samples, but the scheduler does not say so"
                 # A token after the last real one and after each draft; drafts are kept while they match.
                 new = [self.next_token(st["tokens"])]
                 for d in drafts:
@@ -53,8 +60,12 @@ class FakeRunner:
                 st["tokens"] += new
                 sampled.append(new)
             else:
+                assert req_id not in out.sampling_req_ids, f"{req_id} does not sample, but the scheduler says so"
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def collect(self, launched: ModelRunnerOutput) -> ModelRunnerOutput:
+        return launched
 
     def block_tokens(self, block_id: int) -> list[int | None]:
         bs = self.block_size

@@ -23,9 +23,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 3]),
         speculative=st.sampled_from([None, None, (3, 1, 2), (1, 2, 4)]),
+        overlap=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, chunked, caching, threshold, speculative):
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, chunked, caching, threshold, speculative,
+              overlap):
         spec = None if speculative is None else SpeculativeConfig("ngram", *speculative)
+        # Async scheduling (the engine's): each step is scheduled and launched before the one in
+        # flight is collected. The engine runs drafts one step at a time.
+        self.overlap = overlap and spec is None
+        self.in_flight = None
         self.config = SchedulerConfig(
             max_model_len=64 if chunked else budget, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
@@ -34,15 +40,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         # A small vocabulary repeats n-grams, so drafts are proposed and often accepted.
         self.runner = FakeRunner(num_blocks, block_size, vocab=1000 if spec is None else 3)
         self.live: dict[str, Request] = {}
-        self.done: dict[str, Request] = {}
+        self.done: list[Request] = []
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
         self.counter = 0
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 20), min_size=1, max_size=30),
-          max_tokens=st.integers(1, 20), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "x"]))
-    def add(self, prefix, tail, max_tokens, priority, salt):
+          max_tokens=st.integers(1, 20), priority=st.integers(0, 3), salt=st.sampled_from([None, None, "x"]),
+          reuse=st.booleans())
+    def add(self, prefix, tail, max_tokens, priority, salt, reuse):
         self.counter += 1
-        req = Request(f"r{self.counter}", prefix + tail, SamplingParams(max_tokens=max_tokens),
+        # A finished request's id again: a step still in flight for the old one must not touch it.
+        free = sorted({r.request_id for r in self.done} - set(self.live) - set(self.s.requests))
+        req_id = free[-1] if reuse and free else f"r{self.counter}"
+        req = Request(req_id, prefix + tail, SamplingParams(max_tokens=max_tokens),
                       priority=priority, arrival_time=float(self.counter), cache_salt=salt)
         try:
             self.s.add_request(req)
@@ -56,6 +66,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        if not self.overlap:
+            out = self.schedule()
+            self.update(out, self.runner.execute(out))
+            return
+        if self.in_flight is None:
+            out = self.schedule()
+            self.in_flight = (out, self.runner.launch(out))
+        out, launched = self.in_flight
+        following = self.schedule() if self.s.has_unfinished_requests() else None
+        self.in_flight = None if following is None else (following, self.runner.launch(following))
+        self.update(out, self.runner.collect(launched))
+
+    def update(self, out, runner_output):
+        for o in self.s.update_from_output(out, runner_output):
+            if o.finished:
+                self.done.append(self.live.pop(o.req_id))
+
+    def schedule(self):
         out = self.s.schedule()
         cfg = self.config
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -69,9 +97,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r, d in drafts.items():
             assert cfg.speculative and 1 <= len(d) <= cfg.speculative.num_speculative_tokens
             assert out.num_scheduled_tokens[r] == 1 + len(d)
-        for o in self.s.update_from_output(out, self.runner.execute(out)):
-            if o.finished:
-                self.done[o.req_id] = self.live.pop(o.req_id)
+        for r in self.live.values():
+            assert r.num_pending <= (2 if self.in_flight else 1)
+        return out
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), abort=st.booleans())
@@ -79,7 +107,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         req_id = data.draw(st.sampled_from(sorted(self.live)))
         status = RequestStatus.FINISHED_ABORTED if abort else RequestStatus.FINISHED_STOPPED
         self.s.finish_requests([req_id], status)
-        assert self.live.pop(req_id).status == status
+        req = self.live.pop(req_id)
+        assert req.status == status
+        self.done.append(req)
 
     @invariant()
     def blocks_are_consistent(self):
@@ -97,11 +127,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.s.has_unfinished_requests():
                 break
             self.step()
+        if self.in_flight is not None:   # a step launched for requests that ended meanwhile
+            out, launched = self.in_flight
+            assert self.s.update_from_output(out, self.runner.collect(launched)) == []
         assert not self.s.has_unfinished_requests() and not self.live
         pool = self.s.kv.pool
         assert pool.num_free_blocks == pool.num_blocks - 1
         assert all(b.ref_cnt == 0 for b in pool.blocks)
-        for req in self.done.values():
+        for req in self.done:
             if req.status == RequestStatus.FINISHED_ABORTED:
                 continue
             expected = list(req.prompt_token_ids)

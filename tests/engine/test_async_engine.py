@@ -86,11 +86,11 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_e
 
     real_launch, calls = llm_engine.runner.launch, {"n": 0}
 
-    def launch_then_fail(so, grammars=None):
+    def launch_then_fail(so, grammars=None, prev=None):
         calls["n"] += 1
         if calls["n"] >= 3:      # every request is in flight by the third step
             raise RuntimeError("device on fire")
-        return real_launch(so, grammars)
+        return real_launch(so, grammars, prev)
 
     async def main():
         monkeypatch.setattr(llm_engine.runner, "launch", launch_then_fail)

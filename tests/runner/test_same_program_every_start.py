@@ -23,7 +23,7 @@ def compile_and_hash(self, key, prompt_logprobs=False):
     bucket, rows = key
     inputs = self._prepare([], bucket, num_rows=rows)
     with jax.set_mesh(self.mesh):
-        lowered = self.step.lower(self._param_leaves, self.kv_caches, inputs)
+        lowered = self.step.lower(self._param_leaves, self.kv_caches, inputs, self._no_prev_tokens)
     hashes[f"{bucket}x{rows}"] = hashlib.sha256(lowered.as_text().encode()).hexdigest()
     return lowered.compile()
 mr.ModelRunner._compile = compile_and_hash
