@@ -174,6 +174,12 @@ def gemm_available() -> bool:
     return available() and bool(_load().JaxserveGemmSupported())
 
 
+def gemm_amx() -> bool:
+    """bfloat16 matmuls run on AMX tiles (an Intel CPU with AMX-BF16, the process allowed to use
+    them; JAXSERVE_AMX=0 keeps the AVX-512 BF16 vector path)."""
+    return gemm_available() and bool(_load().JaxserveGemmAmx())
+
+
 def gemm_enabled() -> bool:
     """False when JAXSERVE_NATIVE_GEMM=0: steps traced from then on keep XLA's dots (A/B benchmarks)."""
     return os.environ.get("JAXSERVE_NATIVE_GEMM", "1") != "0"

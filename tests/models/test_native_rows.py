@@ -109,12 +109,14 @@ needs_gemm = pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m,k,n", [
     (2, 1, 1), (7, 33, 100), (13, 576, 192), (64, 576, 1536), (9, 577, 65), (6, 2051, 49), (64, 64, 48),
-    (5, 40, 1000),
+    (5, 40, 1000), (37, 2048, 100), (70, 96, 33), (32, 32, 64),
 ], ids=lambda v: str(v))
 def test_matmul_against_numpy(m, k, n, dtype, transposed):
     """Every tail: rows past the last full tile, columns past the last full panel, odd K (bf16
     pairs), K over one 1,024-row block (partial sums added across blocks); a [N, K] weight
-    (`transposed`) also past the last full 16 x 16 block it is packed in."""
+    (`transposed`) also past the last full 16 x 16 block it is packed in. On a CPU with AMX, bf16
+    with K a multiple of 32 runs on tiles: rows and columns short of a 32 x 32 block, and K over
+    a block, are among these."""
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), dtype)
@@ -123,6 +125,21 @@ def test_matmul_against_numpy(m, k, n, dtype, transposed):
     want = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
     # float32 sums of exact products (bf16 x bf16 is exact in float32): rounding error only
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+
+
+@needs_gemm
+@pytest.mark.skipif(not native_cpu.gemm_amx(), reason="no AMX on this CPU (or JAXSERVE_AMX=0)")
+def test_amx_rows_do_not_depend_on_the_rows_beside_them():
+    """Each output row of the tile path is the same bits whatever the row count (a step's rows
+    must not change another's tokens), and close to the vector path's."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((75, 576)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((576, 200)), jnp.bfloat16)
+    whole = np.asarray(jax.jit(native_cpu.matmul)(x, w))
+    for rows in (2, 5, 16, 31, 33, 64):
+        np.testing.assert_array_equal(np.asarray(jax.jit(native_cpu.matmul)(x[:rows], w)), whole[:rows])
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(whole, want, rtol=0, atol=2e-6 * np.sqrt(576) * np.abs(want).max())
 
 
 @needs_gemm
