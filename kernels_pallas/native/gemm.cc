@@ -343,6 +343,12 @@ void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int6
 #include <unistd.h>
 
 constexpr int64_t MR_AMX = 32;
+// Columns per AMX panel: a weight's rows are read in 512-byte pieces. With few rows the packing
+// is most of the cost, and it reads the weight at ~12-16 GB/s (the one-row matvec, which streams
+// whole rows, reads it at ~33): 256 columns against 64 took a decode step of 64 rows from 64-69 to
+// 60-63 ms. Pre-packed weights would remove the packing (not done: a params layout change).
+constexpr int64_t NR_AMX = 256;
+constexpr int64_t kPrefetchPairsAmx = 8;   // how far ahead (in k pairs) the packing prefetches
 
 // Linux hands out AMX tile state only to processes that ask for it (once, for every thread).
 bool amx_permitted() {
@@ -369,11 +375,44 @@ void configure_tiles() {   // tiles 0-3: sums; 4-5: x; 6-7: weights; each 16 row
   _tile_loadconfig(&cfg);
 }
 
+// As pack_bf16, NR_AMX columns wide: packed[p][n][2] = (w[k0 + 2p, n0 + n], w[k0 + 2p + 1, n0 + n]).
+void pack_pairs_amx(const uint16_t* w, int64_t N, int64_t k0, int64_t kc, int64_t n0, int64_t width,
+                    uint16_t* packed) {
+  const int64_t pairs = (kc + 1) / 2;
+  const __m512i lo_idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi_idx = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t k = k0 + 2 * p;
+    const uint16_t* r0 = w + k * N + n0;
+    const uint16_t* r1 = k + 1 < k0 + kc ? r0 + N : nullptr;
+    uint16_t* out = packed + p * 2 * NR_AMX;
+    if (k + kPrefetchPairsAmx * 2 + 1 < k0 + kc) {   // rows a stride apart: the hardware prefetcher misses them
+      const uint16_t* ahead = r0 + kPrefetchPairsAmx * 2 * N;
+      for (int64_t n = 0; n < width; n += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + n), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + n), _MM_HINT_T0);
+      }
+    }
+    int64_t n = 0;
+    if (r1 != nullptr) {
+      for (; n + 32 <= width; n += 32) {   // unpack interleaves within 128-bit lanes; the permutes restore the order
+        const __m512i x0 = _mm512_loadu_si512(r0 + n), x1 = _mm512_loadu_si512(r1 + n);
+        const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
+        _mm512_storeu_si512(out + 2 * n, _mm512_permutex2var_epi64(lo, lo_idx, hi));
+        _mm512_storeu_si512(out + 2 * n + 32, _mm512_permutex2var_epi64(lo, hi_idx, hi));
+      }
+    }
+    for (; n < NR_AMX; ++n) {
+      out[2 * n] = n < width ? r0[n] : 0;
+      out[2 * n + 1] = n < width && r1 != nullptr ? r1[n] : 0;
+    }
+  }
+}
+
 // c[0:32, 0:32] (+)= a[0:32, 0:kc] times the panel's k pairs [0, kc/2) at columns b (row
-// stride 2 NR_BF16 words); lda, ldc in elements.
+// stride 2 NR_AMX words); lda, ldc in elements.
 void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int64_t ldc, int64_t kc,
                bool accumulate) {
-  const int64_t sc = ldc * 4, sa = lda * 2, sb = 2 * NR_BF16 * 2;
+  const int64_t sc = ldc * 4, sa = lda * 2, sb = 2 * NR_AMX * 2;
   if (accumulate) {
     _tile_loadd(0, c, sc);
     _tile_loadd(1, c + 16, sc);
@@ -388,8 +427,8 @@ void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int6
   for (int64_t k = 0; k < kc; k += 32) {
     _tile_loadd(4, a + k, sa);
     _tile_loadd(5, a + 16 * lda + k, sa);
-    _tile_loadd(6, b + k * NR_BF16, sb);        // pair k / 2, row stride 2 NR_BF16 words
-    _tile_loadd(7, b + k * NR_BF16 + 32, sb);   // 16 columns on
+    _tile_loadd(6, b + k * NR_AMX, sb);        // pair k / 2, row stride 2 NR_AMX words
+    _tile_loadd(7, b + k * NR_AMX + 32, sb);   // 16 columns on
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
@@ -401,39 +440,33 @@ void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int6
   _tile_stored(3, c + 16 * ldc + 16, sc);
 }
 
-// As panel_bf16, on tiles. Row blocks short of 32 rows go through zero-padded copies of their
-// x rows and sums; so do column blocks short of 32 (the packed panel is zero past `width`).
+// As panel_bf16, on tiles, for a panel of up to NR_AMX columns. `x` holds whole blocks of 32
+// rows (the caller pads it); row blocks past m1 and column blocks short of 32 go through a
+// zero-padded copy of their sums (the packed panel is zero past `width`).
 void panel_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
                int64_t n0, int64_t width, uint16_t* packed, bool transposed) {
-  thread_local std::unique_ptr<uint16_t[]> a_pad(new uint16_t[MR_AMX * KC]);
   alignas(64) float c_pad[MR_AMX * 32];
   configure_tiles();
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool acc = k0 > 0;
     if (transposed)
-      pack_transposed<NR_BF16>(w, true, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
+      pack_transposed<NR_AMX>(w, true, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
     else
-      pack_bf16(w, K, N, k0, kc, n0, width, packed);
+      pack_pairs_amx(w, N, k0, kc, n0, width, packed);
     for (int64_t m = m0; m < m1; m += MR_AMX) {
       const int64_t rows = std::min(MR_AMX, m1 - m);
       const uint16_t* a = x + m * K + k0;
-      int64_t lda = K;
-      if (rows < MR_AMX) {
-        std::memset(a_pad.get(), 0, sizeof(uint16_t) * MR_AMX * kc);
-        for (int64_t i = 0; i < rows; ++i) std::memcpy(a_pad.get() + i * kc, a + i * K, sizeof(uint16_t) * kc);
-        a = a_pad.get(), lda = kc;
-      }
       for (int64_t col = 0; col < width; col += 32) {
         const int64_t cols = std::min<int64_t>(32, width - col);
         float* c = y + m * N + n0 + col;
         if (rows == MR_AMX && cols == 32) {
-          amx_block(a, lda, packed + 2 * col, c, N, kc, acc);
+          amx_block(a, K, packed + 2 * col, c, N, kc, acc);
           continue;
         }
         for (int64_t i = 0; i < MR_AMX; ++i)
           for (int64_t j = 0; j < 32; ++j) c_pad[i * 32 + j] = acc && i < rows && j < cols ? c[i * N + j] : 0.0f;
-        amx_block(a, lda, packed + 2 * col, c_pad, 32, kc, true);
+        amx_block(a, K, packed + 2 * col, c_pad, 32, kc, true);
         for (int64_t i = 0; i < rows; ++i) std::memcpy(c + i * N, c_pad + i * 32, sizeof(float) * cols);
       }
     }
@@ -443,7 +476,7 @@ void panel_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64
 
 #else
 
-constexpr int64_t MR_AMX = 32;
+constexpr int64_t MR_AMX = 32, NR_AMX = 256;
 bool amx_permitted() { return false; }
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                uint16_t*, bool) {}
@@ -466,13 +499,16 @@ struct Operand {  // one weight of the call and its output
 // block (given as leading dimension nr, so the tiles' prefetches walk it in step with k).
 template <typename T, typename F>
 void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops, int64_t nr, int64_t mr,
-               int64_t K_transposed, F&& run) {
+               int64_t K_transposed, F&& run, bool even_items = true) {
   std::vector<int64_t> first_panel(ops.size() + 1, 0);   // prefix sums of the operands' panel counts
   for (size_t i = 0; i < ops.size(); ++i) first_panel[i + 1] = first_panel[i] + (ops[i].N + nr - 1) / nr;
   const int64_t panels = first_panel.back(), tiles = (M + mr - 1) / mr;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t parts = 1;
-  while (parts < tiles && (panels * parts) % threads != 0) ++parts;
+  if (even_items)   // the same number of items for every thread
+    while (parts < tiles && (panels * parts) % threads != 0) ++parts;
+  else              // a part re-reads its panel: only where there are fewer than two panels a thread
+    while (parts < tiles && panels * parts < 2 * threads) ++parts;
   const int64_t items = panels * parts;
   auto locate = [&](int64_t panel) {   // (operand, first column) of a global panel index
     size_t op = 0;
@@ -534,16 +570,27 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     });
   } else if (x.element_type() == ffi::DataType::BF16) {
     const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
-    const bool amx = K % 32 == 0 && amx_permitted();
-    for_items<uint16_t>(pool, M, ops, NR_BF16, amx ? MR_AMX : MR_BF16, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
-                                                             int64_t m1, const uint16_t* next, int64_t next_ld) {
-      thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_BF16]);
-      if (amx)
+    if (K % 32 == 0 && amx_permitted()) {
+      std::vector<uint16_t> x_pad;   // whole blocks of 32 rows, zeros past M
+      if (M % MR_AMX != 0) {
+        x_pad.assign(static_cast<size_t>((M + MR_AMX - 1) / MR_AMX * MR_AMX * K), 0);
+        std::memcpy(x_pad.data(), xp, sizeof(uint16_t) * M * K);
+        xp = x_pad.data();
+      }
+      for_items<uint16_t>(pool, M, ops, NR_AMX, MR_AMX, transposed ? K : 0, [&](const Operand& op, int64_t n0,
+                                                                              int64_t width, int64_t m0, int64_t m1,
+                                                                              const uint16_t*, int64_t) {
+        thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_AMX]);
         panel_amx(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get(), transposed);
-      else
+      }, /*even_items=*/false);
+    } else {
+      for_items<uint16_t>(pool, M, ops, NR_BF16, MR_BF16, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
+                                                               int64_t m1, const uint16_t* next, int64_t next_ld) {
+        thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_BF16]);
         panel_bf16(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get(),
                    next, next_ld, transposed);
-    });
+      });
+    }
   } else {
     return ffi::Error::InvalidArgument("gemm takes float32 or bfloat16 operands");
   }
