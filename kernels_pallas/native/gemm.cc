@@ -474,9 +474,86 @@ void panel_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64
   _tile_release();
 }
 
+// ---- a [N, K] weight (the lm head) on tiles ----------------------------------------------
+//
+// The second operand of tdpbf16ps is k-pair interleaved, which a [N, K] weight becomes only
+// through a transpose (pack_transposed: ~10 GB/s here); its rows, K contiguous, are what the
+// first operand takes as they lie. So the tiles compute y^T = W x^T: weight rows as the first
+// operand, x (k-pair interleaved once per call, a few KB) as the second, and each 16 x 16 sum
+// tile is a block of y transposed. The products and their order per output are the same as on
+// the packed path.
+
+// xb[p][m][2] = (x[m, 2p], x[m, 2p + 1]) for m < M, zeros up to m_pad.
+void pack_x_pairs(const uint16_t* x, int64_t M, int64_t m_pad, int64_t K, uint16_t* xb) {
+  for (int64_t p = 0; p < K / 2; ++p)
+    for (int64_t m = 0; m < m_pad; ++m) {
+      xb[(p * m_pad + m) * 2] = m < M ? x[m * K + 2 * p] : 0;
+      xb[(p * m_pad + m) * 2 + 1] = m < M ? x[m * K + 2 * p + 1] : 0;
+    }
+}
+
+// y[m0 + i, n0 + j] = sum_k w[j, k] x[m0 + i, k] for i < rows, j < cols (<= 32 each); w points at
+// weight row n0 (32 readable rows), xb at x row m0 of the interleaved x.
+void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad, float* y, int64_t N,
+                 int64_t rows, int64_t cols) {
+  const int64_t sw = K * 2, sx = m_pad * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, w + k, sw);                 // weight rows 0-15
+    _tile_loadd(5, w + 16 * K + k, sw);        // weight rows 16-31
+    _tile_loadd(6, xb + k * m_pad, sx);        // pairs k / 2 .., x rows 0-15
+    _tile_loadd(7, xb + k * m_pad + 32, sx);   // x rows 16-31
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float t[4][16][16];   // t[2 wi + xi][weight row][x row]
+  _tile_stored(0, t[0], 64);
+  _tile_stored(1, t[1], 64);
+  _tile_stored(2, t[2], 64);
+  _tile_stored(3, t[3], 64);
+  for (int wi = 0; wi < 2; ++wi)
+    for (int xi = 0; xi < 2; ++xi) {
+      const int64_t r0 = 16 * xi, c0 = 16 * wi;
+      if (r0 >= rows || c0 >= cols) continue;
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(t[2 * wi + xi][i]);
+      transpose16(v);   // v[i]: x row r0 + i over weight rows c0 .. c0 + 15
+      const __mmask16 mask = tail_mask(cols - c0);
+      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i)
+        _mm512_mask_storeu_ps(y + (r0 + i) * N + c0, mask, _mm512_castsi512_ps(v[i]));
+    }
+}
+
+// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows).
+void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y, int64_t m0, int64_t m1,
+                 int64_t K, int64_t N, int64_t n0, int64_t width) {
+  thread_local std::vector<uint16_t> w_pad;   // the last rows of the weight, zero-padded to 32
+  configure_tiles();
+  for (int64_t n = 0; n < width; n += 32) {
+    const int64_t cols = std::min<int64_t>(32, width - n);
+    const uint16_t* wn = w + (n0 + n) * K;
+    if (n0 + n + 32 > N) {
+      w_pad.assign(static_cast<size_t>(32 * K), 0);
+      std::memcpy(w_pad.data(), wn, sizeof(uint16_t) * (N - n0 - n) * K);
+      wn = w_pad.data();
+    }
+    for (int64_t m = m0; m < m1; m += MR_AMX)
+      amx_block_t(wn, K, xb + 2 * m, m_pad, y + m * N + n0 + n, N, std::min(MR_AMX, m1 - m), cols);
+  }
+  _tile_release();
+}
+
 #else
 
 constexpr int64_t MR_AMX = 32, NR_AMX = 256;
+void panel_amx_t(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                 int64_t) {}
+void pack_x_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 bool amx_permitted() { return false; }
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                uint16_t*, bool) {}
@@ -570,7 +647,15 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
     });
   } else if (x.element_type() == ffi::DataType::BF16) {
     const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
-    if (K % 32 == 0 && amx_permitted()) {
+    if (K % 32 == 0 && amx_permitted() && transposed) {
+      const int64_t m_pad = (M + MR_AMX - 1) / MR_AMX * MR_AMX;
+      std::vector<uint16_t> xb(static_cast<size_t>(m_pad * K));
+      pack_x_pairs(xp, M, m_pad, K, xb.data());
+      for_items<uint16_t>(pool, M, ops, NR_AMX, MR_AMX, K, [&](const Operand& op, int64_t n0, int64_t width,
+                                                                int64_t m0, int64_t m1, const uint16_t*, int64_t) {
+        panel_amx_t(static_cast<const uint16_t*>(op.w), xb.data(), m_pad, op.y, m0, m1, K, op.N, n0, width);
+      }, /*even_items=*/false);
+    } else if (K % 32 == 0 && amx_permitted()) {
       std::vector<uint16_t> x_pad;   // whole blocks of 32 rows, zeros past M
       if (M % MR_AMX != 0) {
         x_pad.assign(static_cast<size_t>((M + MR_AMX - 1) / MR_AMX * MR_AMX * K), 0);

@@ -136,8 +136,11 @@ def test_amx_rows_do_not_depend_on_the_rows_beside_them():
     x = jnp.asarray(rng.standard_normal((75, 576)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((576, 200)), jnp.bfloat16)
     whole = np.asarray(jax.jit(native_cpu.matmul)(x, w))
+    transposed = jax.jit(functools.partial(native_cpu.matmul, transposed=True))
     for rows in (2, 5, 16, 31, 33, 64):
         np.testing.assert_array_equal(np.asarray(jax.jit(native_cpu.matmul)(x[:rows], w)), whole[:rows])
+        # a [N, K] weight (the lm head) takes the tiles the other way round: the same bits
+        np.testing.assert_array_equal(np.asarray(transposed(x[:rows], w.T)), whole[:rows])
     want = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
     np.testing.assert_allclose(whole, want, rtol=0, atol=2e-6 * np.sqrt(576) * np.abs(want).max())
 
