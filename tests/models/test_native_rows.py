@@ -128,6 +128,19 @@ def test_matmul_against_numpy(m, k, n, dtype, transposed):
 
 
 @needs_gemm
+def test_float32_lm_head_rows_take_the_same_sums_either_layout():
+    """A [N, K] float32 weight (packed transposed) gives each output the same bits as the weight
+    [K, N] read in place, whatever the row count."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((70, 1100)), jnp.float32)     # K over one 1,024 block
+    w = jnp.asarray(rng.standard_normal((1100, 203)), jnp.float32)    # N past the last 8-row group
+    whole = np.asarray(jax.jit(native_cpu.matmul)(x, w))
+    transposed = jax.jit(functools.partial(native_cpu.matmul, transposed=True))
+    for rows in (2, 9, 48, 49, 70):
+        np.testing.assert_array_equal(np.asarray(transposed(x[:rows], w.T)), whole[:rows])
+
+
+@needs_gemm
 @pytest.mark.skipif(not native_cpu.gemm_amx(), reason="no AMX on this CPU (or JAXSERVE_AMX=0)")
 def test_amx_rows_do_not_depend_on_the_rows_beside_them():
     """Each output row of the tile path is the same bits whatever the row count (a step's rows
