@@ -82,7 +82,7 @@ def run_jaxserve(args, prompts) -> dict:
     max_len = max(map(len, prompts)) + args.output_len
     llm = LLM(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               max_model_len=-(-max_len // 128) * 128, enable_prefix_caching=args.prefix_caching,
-              dtype=args.dtype)
+              dtype=args.dtype, async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     # First-call costs, on a prompt that shares nothing with the workload.
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--dtype", default="float32", help="jaxserve's --dtype")
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="jaxserve's --async-scheduling (launch each step before the one before returns)")
     ap.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                     help="also time transformers' batched generate (side by side, same prompts)")
     ap.add_argument("--transformers-batch", type=int, default=64)
