@@ -439,12 +439,12 @@ def fault_serve(mode: str, serve_args: list[str]) -> int:
     trigger = Path(os.environ["JAXSERVE_FAULT_TRIGGER"])
     real_launch = ModelRunner.launch
 
-    def launch(self, so, grammars=None):
+    def launch(self, so, grammars=None, prev=None):
         if trigger.exists():
             if mode == "raise":
                 raise RuntimeError("injected step failure")
             time.sleep(3600)
-        return real_launch(self, so, grammars)
+        return real_launch(self, so, grammars, prev)
     ModelRunner.launch = launch
     return cli_main(["serve", *serve_args])
 

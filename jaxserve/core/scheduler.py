@@ -163,17 +163,24 @@ class Scheduler:
                 spec_tokens[request.request_id] = drafts
             else:
                 while (new_block_ids := self.kv.allocate_slots(request, num_new)) is None:
-                    victim = self._pick_victim()
+                    victim = self._pick_victim(request)
+                    if victim is None:
+                        break   # every other request ends with a step in flight: its update frees blocks
+                    j = self.running.index(victim)
                     self._preempt(victim)
                     preempted.add(victim.request_id)
                     if victim.request_id in num_scheduled:  # priority policy may pick an earlier one
                         budget += num_scheduled.pop(victim.request_id)
                         spec_tokens.pop(victim.request_id, None)
                         cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    if j < i:   # an earlier one (scheduled, or skipped this step): the list moved down
                         i -= 1
                     if victim is request:
                         break
             if request.request_id in preempted:
+                continue
+            if new_block_ids is None:   # it waits for the blocks those requests free
+                i += 1
                 continue
             num_scheduled[request.request_id] = num_new
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
@@ -372,10 +379,21 @@ class Scheduler:
         rest_bucket = next(b for b in buckets if b >= rest)
         return num_new - rest if upper > lower + rest_bucket + fixed else num_new
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, request: Request) -> Request | None:
+        """The running request to preempt so that `request` gets its blocks, or None: then it
+        waits a step. A request whose last token a step in flight samples (async scheduling) is
+        never picked, since its update ends it and frees its blocks (a preemption would drop that
+        token and compute the whole sequence again for it); and while such a request holds
+        blocks, `request` waits for them rather than preempting itself."""
+        ending = [r for r in self.running if r.num_pending and self._ends_with_pending(r)]
+        candidates = [r for r in self.running if r not in ending]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            victim = max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            victim = candidates[-1]
+        return None if victim is request and ending else victim
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

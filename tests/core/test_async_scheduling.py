@@ -140,3 +140,18 @@ def test_a_request_preempted_with_its_token_in_flight_samples_that_token_again()
     results, preemptions = run(True)
     assert preemptions > 0 and results == expected
     assert all(len(tokens) == 8 for tokens, _ in results.values())
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_preempted_for_blocks_it_frees():
+    # y (older) and x (newer, one token to sample) fill the pool's 3 blocks. While x's only token is
+    # in flight, y's next token needs a block: y waits one step for the blocks x's update frees
+    # instead of a preemption (of x, which would compute x again, or of y itself).
+    def run(overlap: bool):
+        s, r = make_scheduler(num_blocks=4, block_size=4)
+        s.add_request(Request("y", [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True)))
+        s.add_request(Request("x", [5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=1, ignore_eos=True)))
+        results = Overlapped(s, r).run() if overlap else run_until_done(s, r)[0]
+        return results, s.num_preemptions
+    expected, preemptions = run(False)
+    assert preemptions == 0
+    assert run(True) == (expected, 0)
