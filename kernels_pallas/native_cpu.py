@@ -48,6 +48,7 @@ HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h",
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 GEMM_TARGET = "jaxserve_gemm"
+GEMM_ROWS_TARGET = "jaxserve_gemm_valid_rows"
 SILU_MUL_TARGET = "jaxserve_silu_mul"
 WRITE_KV_TARGET = "jaxserve_write_kv"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
@@ -147,6 +148,7 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedContext), platform="cpu")
         jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.JaxserveMatvec), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_ROWS_TARGET, jax.ffi.pycapsule(lib.JaxserveGemmValidRows), platform="cpu")
         jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.JaxserveSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_KV_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKv), platform="cpu")
         try:
@@ -257,21 +259,34 @@ def matvecs(x, ws, *, transposed: bool = False):
     return list(call(x.reshape(x.size).astype(jnp.float32), *ws, transposed=np.int64(transposed)))
 
 
-def matmul(x, w, *, transposed: bool = False):
+def matmul(x, w, *, transposed: bool = False, rows=None):
     """x [M, K] times w [K, N] (or w [N, K] when `transposed`: x w^T, the lm head on a [vocab, hidden]
     embedding) -> [M, N] float32; x and w both float32 or both bfloat16.
 
     Register-tiled on the CPU (`native/gemm.cc`); float32 sums in float32 FMAs, bfloat16 in
-    `vdpbf16ps` pairs. Differentiable (the backward pass is jnp dots), so a model's training
-    path may run through it. Call `gemm_available()` first.
+    `vdpbf16ps` pairs (AMX tiles where the CPU has them). Differentiable (the backward pass is
+    jnp dots), so a model's training path may run through it. Call `gemm_available()` first.
+    `rows` (an int32 scalar, traced or not; not differentiable): compute only x's first `rows`
+    rows, the rest of the result is 0 (a step's padding rows cost nothing); each computed row is
+    the same bits as without it.
     """
-    return matmuls(x, [w], transposed=transposed)[0]
+    if rows is None:
+        return matmuls(x, [w], transposed=transposed)[0]
+    _check_operands(x, (w,), transposed)
+    n_axis = 0 if transposed else 1
+    call = jax.ffi.ffi_call(GEMM_ROWS_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32))
+    return call(jnp.asarray(rows, jnp.int32).reshape(()), x, w, transposed=np.int64(transposed))
 
 
 def matmuls(x, ws, *, transposed: bool = False):
     """[x w for w in ws]: the projections that read the same x (q/k/v, gate/up) in one call and one
     work split (fewer, larger jobs for the threads); as `matmul` otherwise."""
     ws = tuple(ws)
+    _check_operands(x, ws, transposed)
+    return list(_matmuls(x, ws, transposed))
+
+
+def _check_operands(x, ws, transposed: bool) -> None:
     k_axis = 1 if transposed else 0
     if x.ndim != 2 or not ws or any(w.ndim != 2 or w.shape[k_axis] != x.shape[1] for w in ws):
         raise ValueError(f"matmul takes x [M, K] and w {'[N, K]' if transposed else '[K, N]'}, got "
@@ -279,7 +294,6 @@ def matmuls(x, ws, *, transposed: bool = False):
     if any(w.dtype != x.dtype for w in ws) or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmul takes float32 or bfloat16 operands of one dtype, got {x.dtype} and "
                          f"{[str(w.dtype) for w in ws]}")
-    return list(_matmuls(x, ws, transposed))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -65,12 +65,14 @@ class LlamaForCausalLM(nnx.Module):
             x, _ = layer(x, positions, None, None)
         return self.compute_logits(self.norm(x))
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """[N, hidden] -> [N, vocab] float32 logits."""
+    def compute_logits(self, hidden: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """[N, hidden] -> [N, vocab] float32 logits. `num_rows` (int32 scalar): only the first rows
+        are wanted (a step's sampling rows; the rest is padding), which the native CPU matmul
+        leaves at 0 instead of computing; other paths compute every row."""
         weight = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head[...]  # [vocab, hidden]
         if self.config.native_rows and native_matvec_ok(hidden, weight):
             return native_cpu.matvec(hidden, weight, transposed=True)[None]    # batch-1 decode: native
         if self.config.native_rows and native_gemm_ok(hidden, weight):    # 2+ rows: x w^T, native
-            return native_cpu.matmul(hidden, weight, transposed=True)
+            return native_cpu.matmul(hidden, weight, transposed=True, rows=num_rows)
         weight = weight.astype(hidden.dtype)
         return one_row_safe(lambda h: jnp.einsum("nd,vd->nv", h, weight, preferred_element_type=jnp.float32), hidden)

@@ -49,6 +49,7 @@ class StepInputs:
     positions: jax.Array         # [T] int32 absolute position of each token (padding 0)
     logits_indices: jax.Array    # [R] int32 flat index of each sampling row's token (padding 0): a sequence's
                                  # last scheduled token, and with drafts the last real token and each draft
+    num_rows: jax.Array          # [] int32 sampling rows in use (rows past it are padding: their logits may be 0)
     banned_token_ids: jax.Array  # [R, MAX_BANNED] int32 ids masked for rows under min_tokens (padding -1)
     want_logprobs: jax.Array     # [] bool: some row asked for logprobs (the sampled token's, top-N)
     token_bitmask: jax.Array     # [R, ceil(V / 32)] int32 allowed tokens (structured output); all ones unconstrained
@@ -256,6 +257,7 @@ def prepare_inputs(
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, sample_index=sample_index,
         output_token_ids=output_ids, prompt_token_ids=prompt_ids)
     return StepInputs(input_ids=input_ids, prev_rows=prev_rows, positions=positions, logits_indices=logits_indices,
+                      num_rows=np.int32(r),
                       banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), token_bitmask=bitmask,
                       use_bitmask=np.bool_(bool(grammars)), attn=attn,
                       sampling=sampling)

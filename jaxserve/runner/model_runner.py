@@ -65,7 +65,7 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
     rows = inputs.prev_rows
     input_ids = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.input_ids)
     hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)  # [T, hidden]
-    logits = model.compute_logits(hidden[inputs.logits_indices])                          # [S, V] f32
+    logits = model.compute_logits(hidden[inputs.logits_indices], inputs.num_rows)         # [S, V] f32
     num_seqs, vocab = logits.shape
     # Under min_tokens, EOS and stop tokens cannot be sampled.
     banned = jnp.where(inputs.banned_token_ids >= 0, inputs.banned_token_ids, vocab)      # [S, B]

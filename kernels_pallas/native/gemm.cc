@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -612,11 +613,13 @@ void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops
 
 // x [M, K] times each weight w_i [K, N_i] (the remaining arguments) into y_i [M, N_i] (the
 // results): one call, one work split, for the projections that read the same x.
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
-                    int64_t transposed) {
+// The first `rows` rows of x (clamped to [0, M]) times each weight; the results' other rows are 0.
+ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                    int64_t transposed, int64_t rows) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("gemm takes x [M, K]");
-  const int64_t M = xd[0], K = xd[1];
+  const int64_t M_all = xd[0], K = xd[1];
+  const int64_t M = std::clamp<int64_t>(rows, 0, M_all);
   if (ws.size() == 0 || ws.size() != ys.size()) return ffi::Error::InvalidArgument("gemm takes one result per weight");
   std::vector<Operand> ops;
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -628,9 +631,9 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
       return ffi::Error::InvalidArgument(transposed ? "gemm takes weights [N, K]" : "gemm takes weights [K, N]");
     const int64_t n = wd[transposed ? 0 : 1];
     if (w->element_type() != x.element_type()) return ffi::Error::InvalidArgument("x and w must have one dtype");
-    if ((*y)->element_count() != static_cast<size_t>(M * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
+    if ((*y)->element_count() != static_cast<size_t>(M_all * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
     float* yp = (*y)->typed_data();
-    if (K == 0) std::fill(yp, yp + M * n, 0.0f);
+    std::fill(yp + (K == 0 ? 0 : M) * n, yp + M_all * n, 0.0f);   // rows past `rows` (every row when K = 0)
     if (K > 0 && M > 0 && n > 0) ops.push_back({w->untyped_data(), yp, n});
   }
   if (ops.empty()) return ffi::Error::Success();
@@ -682,6 +685,17 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs w
   return ffi::Error::Success();
 }
 
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
+                    int64_t transposed) {
+  return GemmRows(pool, x, ws, ys, transposed, std::numeric_limits<int64_t>::max());
+}
+
+ffi::Error GemmValidRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer x, ffi::RemainingArgs ws,
+                             ffi::RemainingRets ys, int64_t transposed) {
+  if (rows.element_count() != 1) return ffi::Error::InvalidArgument("gemm's row count is one int32");
+  return GemmRows(pool, x, ws, ys, transposed, rows.typed_data()[0]);
+}
+
 }  // namespace
 
 extern "C" int JaxserveGemmAmx() { return amx_permitted() ? 1 : 0; }
@@ -695,6 +709,10 @@ namespace {
 ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets, int64_t) {
   return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
 }
+ffi::Error GemmValidRowsImpl(ffi::ThreadPool, ffi::Buffer<ffi::S32>, ffi::AnyBuffer, ffi::RemainingArgs,
+                             ffi::RemainingRets, int64_t) {
+  return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
+}
 }  // namespace
 
 #endif
@@ -706,3 +724,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
                                   .RemainingArgs()                // weights w_i [K, N_i]
                                   .RemainingRets()                // results y_i [M, N_i] float32
                                   .Attr<int64_t>("transposed"));  // 1: the weights are [N_i, K]
+
+// As JaxserveGemm, for the first `rows` rows of x only (a step's sampling rows before its padding):
+// the other rows of the results are 0.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemmValidRows, GemmValidRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows [] int32: how many rows of x to compute
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .RemainingArgs()                // weights
+                                  .RemainingRets()                // results [M, N_i] float32
+                                  .Attr<int64_t>("transposed"));

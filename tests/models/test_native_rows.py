@@ -128,6 +128,25 @@ def test_matmul_against_numpy(m, k, n, dtype, transposed):
 
 
 @needs_gemm
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_kn", "w_nk"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_of_the_first_rows_only(dtype, transposed):
+    """`rows` (traced): the first rows are the same bits as the whole product's, the rest 0;
+    out-of-range counts clamp."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((37, 96)), dtype)
+    w = jnp.asarray(rng.standard_normal((96, 70)), dtype)
+    w = w.T if transposed else w
+    whole = np.asarray(jax.jit(functools.partial(native_cpu.matmul, transposed=transposed))(x, w))
+    first = jax.jit(lambda x, w, r: native_cpu.matmul(x, w, transposed=transposed, rows=r))
+    for rows in (0, 1, 5, 33, 37, 50, -2):
+        got = np.asarray(first(x, w, np.int32(rows)))
+        n = min(max(rows, 0), 37)
+        np.testing.assert_array_equal(got[:n], whole[:n])
+        assert not got[n:].any()
+
+
+@needs_gemm
 def test_float32_lm_head_rows_take_the_same_sums_either_layout():
     """A [N, K] float32 weight (packed transposed) gives each output the same bits as the weight
     [K, N] read in place, whatever the row count."""
