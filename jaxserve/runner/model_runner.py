@@ -509,7 +509,7 @@ class ModelRunner:
                 st.token_ids.append(PENDING)
                 st.pending_row = row
             row += 1 + len(req_drafts)
-        return _Launched(scheduled, outs, drafts, sampling, spans)
+        return _Launched(scheduled, outs, sampling, spans)
 
     def collect(self, launched: "_Launched") -> ModelRunnerOutput:
         """Wait for a launched step and turn its sampled tokens into plain data."""
@@ -576,7 +576,6 @@ class _Launched:
     scheduled: list[tuple[RequestState, int]]
     outs: list[jax.Array] | None     # token_ids [max_rows], token_logprobs, top_ids, top_logprobs[, the prompt
                                      # three] (on device)
-    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)   # speculative drafts of this step
     sampling: list[_Sampling] = dataclasses.field(default_factory=list)
     # per scheduled request: (first prompt token whose logprob the step computes, how many)
     prompt_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)

@@ -212,35 +212,38 @@ void panel_f32(const float* x, const float* w, float* y, int64_t m0, int64_t m1,
 constexpr int MR_BF16 = 6, NR_BF16 = 64;
 
 // Panel rows [k0, k0 + kc) and columns [n0, n0 + width) of w [K, N] into
-// packed[p][n][2] = (w[k0 + 2p, n0 + n], w[k0 + 2p + 1, n0 + n]), zeros past the edges.
+// packed[p][n][2] = (w[k0 + 2p, n0 + n], w[k0 + 2p + 1, n0 + n]), zeros past the edges; NR columns
+// a pair (NR_BF16 for the vector path, NR_AMX for the tiles).
+template <int NR>
 void pack_bf16(const uint16_t* w, int64_t K, int64_t N, int64_t k0, int64_t kc, int64_t n0, int64_t width,
                uint16_t* packed) {
+  const __m512i lo_idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi_idx = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   const int64_t pairs = (kc + 1) / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t k = k0 + 2 * p;
     const uint16_t* r0 = w + k * N + n0;
     const uint16_t* r1 = k + 1 < k0 + kc ? r0 + N : nullptr;
-    uint16_t* out = packed + p * 2 * NR_BF16;
+    uint16_t* out = packed + p * 2 * NR;
     if (k + kPrefetchRows + 1 < K) {   // strided weight rows: the hardware prefetcher misses them
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchRows * N), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchRows * N + 32), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + (kPrefetchRows + 1) * N), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + (kPrefetchRows + 1) * N + 32), _MM_HINT_T0);
+      const uint16_t* ahead = r0 + kPrefetchRows * N;
+      for (int64_t n = 0; n < width; n += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + n), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + n), _MM_HINT_T0);
+      }
     }
-    if (width == NR_BF16 && r1 != nullptr) {
-      for (int h = 0; h < 2; ++h) {   // 32 columns at a time
-        const __m512i x0 = _mm512_loadu_si512(r0 + 32 * h), x1 = _mm512_loadu_si512(r1 + 32 * h);
+    int64_t n = 0;
+    if (r1 != nullptr) {
+      for (; n + 32 <= width; n += 32) {   // 32 columns at a time
+        const __m512i x0 = _mm512_loadu_si512(r0 + n), x1 = _mm512_loadu_si512(r1 + n);
         // unpack interleaves within 128-bit lanes; the permutes put the column pairs back in order
         const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
-        _mm512_storeu_si512(out + 64 * h, _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi));
-        _mm512_storeu_si512(out + 64 * h + 32,
-                            _mm512_permutex2var_epi64(lo, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), hi));
+        _mm512_storeu_si512(out + 2 * n, _mm512_permutex2var_epi64(lo, lo_idx, hi));
+        _mm512_storeu_si512(out + 2 * n + 32, _mm512_permutex2var_epi64(lo, hi_idx, hi));
       }
-    } else {
-      for (int64_t n = 0; n < NR_BF16; ++n) {
-        out[2 * n] = n < width ? r0[n] : 0;
-        out[2 * n + 1] = n < width && r1 != nullptr ? r1[n] : 0;
-      }
+    }
+    for (; n < NR; ++n) {
+      out[2 * n] = n < width ? r0[n] : 0;
+      out[2 * n + 1] = n < width && r1 != nullptr ? r1[n] : 0;
     }
   }
 }
@@ -309,7 +312,7 @@ void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int6
     if (transposed)
       pack_transposed<NR_BF16>(w, true, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
     else
-      pack_bf16(w, K, N, k0, kc, n0, width, packed);
+      pack_bf16<NR_BF16>(w, K, N, k0, kc, n0, width, packed);
     const uint16_t* next = next_panel != nullptr ? next_panel + k0 * next_ld : nullptr;
     int64_t m = m0;
     for (; m + MR_BF16 <= m1; m += MR_BF16, next = nullptr)
@@ -349,7 +352,6 @@ constexpr int64_t MR_AMX = 32;
 // whole rows, reads it at ~33): 256 columns against 64 took a decode step of 64 rows from 64-69 to
 // 60-63 ms. Pre-packed weights would remove the packing (not done: a params layout change).
 constexpr int64_t NR_AMX = 256;
-constexpr int64_t kPrefetchPairsAmx = 8;   // how far ahead (in k pairs) the packing prefetches
 
 // Linux hands out AMX tile state only to processes that ask for it (once, for every thread).
 bool amx_permitted() {
@@ -374,39 +376,6 @@ void configure_tiles() {   // tiles 0-3: sums; 4-5: x; 6-7: weights; each 16 row
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
-}
-
-// As pack_bf16, NR_AMX columns wide: packed[p][n][2] = (w[k0 + 2p, n0 + n], w[k0 + 2p + 1, n0 + n]).
-void pack_pairs_amx(const uint16_t* w, int64_t N, int64_t k0, int64_t kc, int64_t n0, int64_t width,
-                    uint16_t* packed) {
-  const int64_t pairs = (kc + 1) / 2;
-  const __m512i lo_idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi_idx = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t k = k0 + 2 * p;
-    const uint16_t* r0 = w + k * N + n0;
-    const uint16_t* r1 = k + 1 < k0 + kc ? r0 + N : nullptr;
-    uint16_t* out = packed + p * 2 * NR_AMX;
-    if (k + kPrefetchPairsAmx * 2 + 1 < k0 + kc) {   // rows a stride apart: the hardware prefetcher misses them
-      const uint16_t* ahead = r0 + kPrefetchPairsAmx * 2 * N;
-      for (int64_t n = 0; n < width; n += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + n), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + n), _MM_HINT_T0);
-      }
-    }
-    int64_t n = 0;
-    if (r1 != nullptr) {
-      for (; n + 32 <= width; n += 32) {   // unpack interleaves within 128-bit lanes; the permutes restore the order
-        const __m512i x0 = _mm512_loadu_si512(r0 + n), x1 = _mm512_loadu_si512(r1 + n);
-        const __m512i lo = _mm512_unpacklo_epi16(x0, x1), hi = _mm512_unpackhi_epi16(x0, x1);
-        _mm512_storeu_si512(out + 2 * n, _mm512_permutex2var_epi64(lo, lo_idx, hi));
-        _mm512_storeu_si512(out + 2 * n + 32, _mm512_permutex2var_epi64(lo, hi_idx, hi));
-      }
-    }
-    for (; n < NR_AMX; ++n) {
-      out[2 * n] = n < width ? r0[n] : 0;
-      out[2 * n + 1] = n < width && r1 != nullptr ? r1[n] : 0;
-    }
-  }
 }
 
 // c[0:32, 0:32] (+)= a[0:32, 0:kc] times the panel's k pairs [0, kc/2) at columns b (row
@@ -441,20 +410,18 @@ void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int6
   _tile_stored(3, c + 16 * ldc + 16, sc);
 }
 
-// As panel_bf16, on tiles, for a panel of up to NR_AMX columns. `x` holds whole blocks of 32
+// As panel_bf16 for a [K, N] weight, on tiles, for a panel of up to NR_AMX columns (a [N, K]
+// weight takes panel_amx_t). `x` holds whole blocks of 32
 // rows (the caller pads it); row blocks past m1 and column blocks short of 32 go through a
 // zero-padded copy of their sums (the packed panel is zero past `width`).
 void panel_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t m1, int64_t K, int64_t N,
-               int64_t n0, int64_t width, uint16_t* packed, bool transposed) {
+               int64_t n0, int64_t width, uint16_t* packed) {
   alignas(64) float c_pad[MR_AMX * 32];
   configure_tiles();
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = std::min(KC, K - k0);
     const bool acc = k0 > 0;
-    if (transposed)
-      pack_transposed<NR_AMX>(w, true, K, k0, kc, n0, width, reinterpret_cast<uint32_t*>(packed));
-    else
-      pack_pairs_amx(w, N, k0, kc, n0, width, packed);
+    pack_bf16<NR_AMX>(w, K, N, k0, kc, n0, width, packed);
     for (int64_t m = m0; m < m1; m += MR_AMX) {
       const int64_t rows = std::min(MR_AMX, m1 - m);
       const uint16_t* a = x + m * K + k0;
@@ -557,7 +524,7 @@ void panel_amx_t(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int
 void pack_x_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 bool amx_permitted() { return false; }
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-               uint16_t*, bool) {}
+               uint16_t*) {}
 
 #endif
 
@@ -658,18 +625,17 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
                                                                 int64_t m0, int64_t m1, const uint16_t*, int64_t) {
         panel_amx_t(static_cast<const uint16_t*>(op.w), xb.data(), m_pad, op.y, m0, m1, K, op.N, n0, width);
       }, /*even_items=*/false);
-    } else if (K % 32 == 0 && amx_permitted()) {
+    } else if (K % 32 == 0 && amx_permitted()) {   // a [K, N] weight
       std::vector<uint16_t> x_pad;   // whole blocks of 32 rows, zeros past M
       if (M % MR_AMX != 0) {
         x_pad.assign(static_cast<size_t>((M + MR_AMX - 1) / MR_AMX * MR_AMX * K), 0);
         std::memcpy(x_pad.data(), xp, sizeof(uint16_t) * M * K);
         xp = x_pad.data();
       }
-      for_items<uint16_t>(pool, M, ops, NR_AMX, MR_AMX, transposed ? K : 0, [&](const Operand& op, int64_t n0,
-                                                                              int64_t width, int64_t m0, int64_t m1,
-                                                                              const uint16_t*, int64_t) {
+      for_items<uint16_t>(pool, M, ops, NR_AMX, MR_AMX, 0, [&](const Operand& op, int64_t n0, int64_t width,
+                                                                int64_t m0, int64_t m1, const uint16_t*, int64_t) {
         thread_local std::unique_ptr<uint16_t[]> packed(new uint16_t[(KC / 2 + 1) * 2 * NR_AMX]);
-        panel_amx(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get(), transposed);
+        panel_amx(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, packed.get());
       }, /*even_items=*/false);
     } else {
       for_items<uint16_t>(pool, M, ops, NR_BF16, MR_BF16, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
