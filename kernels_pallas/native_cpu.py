@@ -49,6 +49,7 @@ TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 GEMM_TARGET = "jaxserve_gemm"
 GEMM_ROWS_TARGET = "jaxserve_gemm_valid_rows"
+GEMM_PACKED_TARGET = "jaxserve_gemm_packed"
 SILU_MUL_TARGET = "jaxserve_silu_mul"
 WRITE_KV_TARGET = "jaxserve_write_kv"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
@@ -149,6 +150,7 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(lib.JaxserveMatvec), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.JaxserveGemm), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_ROWS_TARGET, jax.ffi.pycapsule(lib.JaxserveGemmValidRows), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_PACKED_TARGET, jax.ffi.pycapsule(lib.JaxserveGemmPacked), platform="cpu")
         jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.JaxserveSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_KV_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKv), platform="cpu")
         try:
@@ -284,6 +286,44 @@ def matmuls(x, ws, *, transposed: bool = False):
     ws = tuple(ws)
     _check_operands(x, ws, transposed)
     return list(_matmuls(x, ws, transposed))
+
+
+PACK_COLUMNS = 32   # a pre-packed weight's column block: the width of two AMX sum tiles
+
+
+def packable(w) -> bool:
+    """True when a [K, N] weight can be pre-packed for `matmuls_packed`: bfloat16, K and N multiples of 32."""
+    return w.ndim == 2 and w.dtype == jnp.bfloat16 and w.shape[0] % 32 == 0 and w.shape[1] % PACK_COLUMNS == 0
+
+
+def pack_weight(w):
+    """A bfloat16 weight [K, N] laid out for the AMX tiles: [N / 32, K / 2, 32, 2], element [b, p, c, e]
+    = w[2p + e, 32b + c] (each 32-column block in k pairs, contiguous). `unpack_weight` inverts it."""
+    if not packable(w):
+        raise ValueError(f"pack_weight takes a bfloat16 [K, N] with K and N multiples of 32, got {w.dtype}{list(w.shape)}")
+    k, n = w.shape
+    return w.reshape(k // 2, 2, n // PACK_COLUMNS, PACK_COLUMNS).transpose(2, 0, 3, 1)
+
+
+def unpack_weight(wp):
+    """The [K, N] weight `pack_weight` laid out as `wp` [N / 32, K / 2, 32, 2]."""
+    nb, pairs, cols, two = wp.shape
+    return wp.transpose(1, 3, 0, 2).reshape(2 * pairs, nb * cols)
+
+
+def matmuls_packed(x, wps):
+    """[x w for w in weights] for x [M, K] bfloat16 and weights pre-packed by `pack_weight` -> [M, N_i]
+    float32: the same bits as `matmuls(x, weights)` on AMX tiles, without packing the weights each
+    call. Needs `gemm_amx()`. Not differentiable (the engine's step only)."""
+    wps = tuple(wps)
+    if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not wps
+            or any(w.ndim != 4 or w.dtype != jnp.bfloat16 or w.shape[1] * 2 != x.shape[1] or w.shape[2:] != (PACK_COLUMNS, 2)
+                   for w in wps)):
+        raise ValueError(f"matmuls_packed takes x [M, K] bfloat16 and weights [N / 32, K / 2, 32, 2] bfloat16, got "
+                         f"{x.dtype}{list(x.shape)} and {[f'{w.dtype}{list(w.shape)}' for w in wps]}")
+    call = jax.ffi.ffi_call(GEMM_PACKED_TARGET, tuple(
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PACK_COLUMNS), jnp.float32) for w in wps))
+    return list(call(x, *wps))
 
 
 def _check_operands(x, ws, transposed: bool) -> None:

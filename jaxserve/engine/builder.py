@@ -265,7 +265,8 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
             max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
             kv_dtype=_DTYPES[config.dtype], mesh=replica_mesh, buckets=config.token_buckets,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config
-            else 0)
+            else 0,
+            pack_weights=params is None)   # a caller's arrays are served as they are (shared, e.g. a trainer's)
         # A multi-process engine's followers compile what the leader's steps need: all of it, up front.
         runner.warmup(background_after=config.background_warmup_after if config.num_processes == 1 else 0)
         replicas.append(Replica(Scheduler(scheduler_config), runner))

@@ -486,7 +486,7 @@ class LLMEngine:
             flat = nnx.traversals.flatten_mapping(
                 replicate_kv_heads(nnx.traversals.unflatten_mapping(flat), self._kv_head_replicas))
         # Every replica is checked before any is changed.
-        placed = [checked_update(r.runner.param_arrays(), dict(flat), cast=False) for r in self.replicas]
+        placed = [checked_update(r.runner.param_specs(), dict(flat), cast=False) for r in self.replicas]
         for replica, arrays in zip(self.replicas, placed):
             replica.runner.replace_params(arrays)
             replica.scheduler.kv.reset_prefix_cache()

@@ -53,8 +53,12 @@ class Proj(nnx.Einsum):
         rhs, out = rest.split("->")
         # Only "t<c>,<c><o>->t<o>" contractions (every projection here) map onto x [K] . W [K, N].
         self.native_rows = native_rows and rhs.startswith(lhs[1:]) and out == "t" + rhs[len(lhs) - 1:]
+        # Static: the kernel is laid out for the AMX tiles (`pack_for_tiles`), not kernel_shape.
+        self.packed = False
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.packed:
+            return project_together([self], x)[0]
         kernel = self.kernel[...]
         if self.native_rows and (native_matvec_ok(x, kernel) or native_gemm_ok(x, kernel)):
             return project_together([self], x)[0]
@@ -82,6 +86,11 @@ def native_products(projs: list[Proj], x: jax.Array) -> list[jax.Array] | None:
     one of them would not take the native matvec (one row) or matmul here."""
     kernels = [p.kernel[...] for p in projs]
     rows, depth = x.shape[0], x[0].size
+    if any(p.packed for p in projs):   # `pack_for_tiles` packs a group whole
+        if not all(p.packed for p in projs) or x.dtype != jnp.bfloat16:
+            raise ValueError("pre-packed projections take bfloat16 x, and are called together only with each other")
+        ys = native_cpu.matmuls_packed(x.reshape(rows, depth), kernels)
+        return [y.reshape(rows, *p.kernel_shape[x.ndim - 1:]) for y, p in zip(ys, projs)]
     flat = [k.reshape(depth, -1) for k in kernels]
     if all(p.native_rows and native_matvec_ok(x, k) for p, k in zip(projs, kernels)) and len(set(
             k.dtype for k in kernels)) == 1:     # one row (batch-1 decode): one native matvec call
@@ -91,6 +100,41 @@ def native_products(projs: list[Proj], x: jax.Array) -> list[jax.Array] | None:
     else:
         return None
     return [y.reshape(rows, *k.shape[x.ndim - 1:]) for y, k in zip(ys, kernels)]
+
+
+def pack_for_tiles(model: nnx.Module) -> int:
+    """Lay the bfloat16 projections' kernels of `model` out for the native AMX matmul
+    (`native_cpu.pack_weight`) and mark them `packed`; returns how many were packed. Each group
+    called together (q/k/v, gate/up; o and down alone) is packed whole or not at all.
+
+    A decode step's few rows on AMX tiles spent most of their time packing the weight panels
+    (strided weight rows, 512 bytes at a time); packed once here, the tiles read each weight as
+    one contiguous stream, at the same bits (benchmarks/RESULTS.md). The caller (`ModelRunner`)
+    decides when: unsharded, on a CPU with AMX, a model whose arrays it owns. Mutates `model`.
+    """
+    groups = []
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Attention):
+            groups += [[node.q_proj, node.k_proj, node.v_proj], [node.o_proj]]
+        elif isinstance(node, MLP):
+            groups += [[node.gate_proj, node.up_proj], [node.down_proj]]
+    count = 0
+    for group in groups:
+        flat = [p.kernel[...].reshape(contracted_size(p), -1) for p in group]
+        if not all(p.native_rows and not p.packed and (p.dtype or p.param_dtype) == jnp.bfloat16
+                   and native_cpu.packable(k) for p, k in zip(group, flat)):
+            continue
+        for p, k in zip(group, flat):
+            p.kernel.set_value(native_cpu.pack_weight(k))
+            p.packed = True
+        count += len(group)
+    return count
+
+
+def contracted_size(proj: Proj) -> int:
+    """K of a projection: the size of the kernel axes it contracts with x."""
+    lhs = proj.einsum_str.split(",")[0]
+    return math.prod(proj.kernel_shape[:len(lhs) - 1])
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:

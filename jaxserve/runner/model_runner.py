@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 
@@ -38,11 +39,12 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.layers import Proj, contracted_size, pack_for_tiles
 from jaxserve.runner.inputs import (PENDING, PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
                                     later_buckets, num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket,
                                     prepare_inputs, prepare_prompt_logprobs, token_buckets)
 from jaxserve.runner.sampler import fast_top_k, sample
-from kernels_pallas import kv_pool_dtype
+from kernels_pallas import kv_pool_dtype, native_cpu
 from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,23 @@ def _prompt_logprobs(model, hidden: jax.Array, prompt: PromptLogprobsInputs, k: 
             top_lps.reshape(-1, k)[:num_tokens])
 
 
+def packing_applies(config: ModelConfig, mesh: jax.sharding.Mesh) -> bool:
+    """True when a runner on `mesh` may pre-pack bf16 projections for the AMX tiles: the `cpu`
+    attention backend's native matmuls, one device, AMX usable (JAXSERVE_PACKED_WEIGHTS=0: never)."""
+    return (os.environ.get("JAXSERVE_PACKED_WEIGHTS", "1") != "0" and config.native_rows and mesh.devices.size == 1
+            and mesh.devices.flat[0].platform == "cpu" and native_cpu.gemm_enabled() and native_cpu.gemm_amx())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(kernel: jax.Array, depth: int) -> jax.Array:
+    return native_cpu.pack_weight(kernel.reshape(depth, -1))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unpack(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return native_cpu.unpack_weight(packed).reshape(shape)
+
+
 def _gather_blocks(kv_caches: list[jax.Array], block_ids: jax.Array) -> jax.Array:
     """[P, layers, 2, kv_heads, block_size, head_dim] of the pool's blocks `block_ids` [P]."""
     return jnp.stack([c[:, :, block_ids] for c in kv_caches]).transpose(3, 0, 1, 2, 4, 5)
@@ -167,6 +186,7 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         buckets: tuple[int, ...] | None = None,
         num_speculative_tokens: int = 0,
+        pack_weights: bool = False,
     ) -> None:
         self.config = config
         self.block_size = block_size
@@ -182,6 +202,10 @@ class ModelRunner:
 
         self.graphdef, params = nnx.split(model)
         self.params = shard_params(params, self.mesh)      # by sharding.PARAM_RULES (no-op if already placed)
+        # {path: (the kernel's own shape, K)} of the projections whose kernels the steps take pre-packed
+        self._packed: dict[tuple, tuple[tuple[int, ...], int]] = {}
+        if pack_weights and packing_applies(config, self.mesh):
+            self._pack(nnx.merge(self.graphdef, self.params))
         kv_sharding = kv_cache_sharding(self.mesh)
         self.kv_dtype = kv_pool_dtype(kv_dtype, config.attention_backend)   # uint16 bits for bf16 on CPU
         self.restore_kv_pool()
@@ -220,13 +244,52 @@ class ModelRunner:
 
     # ---- weights and pool between steps (LLMEngine.update_params / sleep / wake_up) -----
 
-    def param_arrays(self) -> dict[tuple, jax.Array]:
-        """{param path: array} of the weights the steps run with."""
+    def _pack(self, model: nnx.Module) -> None:
+        """Lay the bf16 projections out for the AMX tiles (`pack_for_tiles`) in a copy of `model` (the
+        caller's model and its arrays stay as they are; a data-parallel engine builds every replica's
+        runner from one model), and run the steps with it."""
+        t0 = time.perf_counter()
+        model = nnx.clone(model)
+        count = pack_for_tiles(model)
+        if not count:
+            return
+        self.graphdef, self.params = nnx.split(model)
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, Proj) and node.packed:
+                self._packed[(*path, "kernel")] = (tuple(node.kernel_shape), contracted_size(node))
+        jax.block_until_ready(self.params)
+        logger.info("%d bfloat16 projections pre-packed for the AMX tiles in %.2f s", count, time.perf_counter() - t0)
+
+    @property
+    def packed_paths(self) -> tuple[tuple, ...]:
+        """Param paths whose kernels the steps take pre-packed for the AMX tiles (none: empty)."""
+        return tuple(self._packed)
+
+    def _stored_arrays(self) -> dict[tuple, jax.Array]:
+        """{param path: array} as the steps take them (pre-packed kernels packed)."""
         return nnx.traversals.flatten_mapping(nnx.to_pure_dict(self.params))
 
+    def param_arrays(self) -> dict[tuple, jax.Array]:
+        """{param path: array} of the weights the steps run with, each in the model's own shape (a
+        pre-packed kernel is unpacked into a new array)."""
+        return {path: (_unpack(a, self._packed[path][0]) if path in self._packed and a is not None else a)
+                for path, a in self._stored_arrays().items()}
+
+    def param_specs(self) -> dict[tuple, jax.ShapeDtypeStruct]:
+        """{param path: shape, dtype and sharding} of the weights, in the model's own shapes (what an
+        update is checked against; nothing is unpacked)."""
+        return {path: jax.ShapeDtypeStruct(self._packed[path][0] if path in self._packed else a.shape, a.dtype,
+                                           sharding=a.sharding)
+                for path, a in self._stored_arrays().items()}
+
     def replace_params(self, placed: dict[tuple, jax.Array]) -> None:
-        """Swap in arrays of the same shapes, dtypes and shardings (checked by the caller): the
-        compiled steps take params as an argument, so nothing compiles again."""
+        """Swap in arrays of the same shapes, dtypes and shardings (checked by the caller), each in the
+        model's own shape (pre-packed kernels are packed again): the compiled steps take params as
+        an argument, so nothing compiles again."""
+        placed = {path: (_pack(a, self._packed[path][1]) if path in self._packed else a) for path, a in placed.items()}
+        self._replace_stored(placed)
+
+    def _replace_stored(self, placed: dict[tuple, jax.Array | None]) -> None:
         nnx.replace_by_pure_dict(self.params, nnx.traversals.unflatten_mapping(placed))
         self._refresh_param_leaves()
 
@@ -252,13 +315,13 @@ class ModelRunner:
     def offload_params(self) -> None:
         """Move the weights to host memory (the device arrays are dropped, not deleted: a caller
         sharing them keeps them); `reload_params` puts them back on their shardings."""
-        flat = self.param_arrays()
+        flat = self._stored_arrays()
         self._offloaded = {path: (np.asarray(a), a.sharding) for path, a in flat.items()}
-        self.replace_params({path: None for path in flat})
+        self._replace_stored({path: None for path in flat})
 
     def reload_params(self) -> None:
-        self.replace_params({path: jax.device_put(host, sharding)
-                             for path, (host, sharding) in self._offloaded.items()})
+        self._replace_stored({path: jax.device_put(host, sharding)
+                              for path, (host, sharding) in self._offloaded.items()})
         self._offloaded = None
 
     # ---- whole blocks in and out (disaggregated prefill/decode) -------------------------
@@ -489,7 +552,7 @@ class ModelRunner:
             self.kv_caches, *outs = self._executable(key, prompt is not None)(self._param_leaves, self.kv_caches,
                                                                               inputs, prev_tokens, *extra)
         except Exception as e:
-            deleted = [path for path, a in self.param_arrays().items() if isinstance(a, jax.Array) and a.is_deleted()]
+            deleted = [path for path, a in self._stored_arrays().items() if isinstance(a, jax.Array) and a.is_deleted()]
             if deleted:
                 raise ValueError(f"the engine's weights were deleted or donated after they were given to it "
                                  f"({len(deleted)} arrays, e.g. {'.'.join(map(str, deleted[0]))}): keep the arrays "

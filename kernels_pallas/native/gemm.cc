@@ -380,9 +380,11 @@ void configure_tiles() {   // tiles 0-3: sums; 4-5: x; 6-7: weights; each 16 row
 
 // c[0:32, 0:32] (+)= a[0:32, 0:kc] times the panel's k pairs [0, kc/2) at columns b (row
 // stride 2 NR_AMX words); lda, ldc in elements.
+// `ldb`: words from one k pair of the panel to the next (2 NR_AMX for a packed panel, 64 for a
+// pre-packed weight's 32-column block).
 void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int64_t ldc, int64_t kc,
-               bool accumulate) {
-  const int64_t sc = ldc * 4, sa = lda * 2, sb = 2 * NR_AMX * 2;
+               bool accumulate, int64_t ldb = 2 * NR_AMX) {
+  const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 2;
   if (accumulate) {
     _tile_loadd(0, c, sc);
     _tile_loadd(1, c + 16, sc);
@@ -397,8 +399,8 @@ void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int6
   for (int64_t k = 0; k < kc; k += 32) {
     _tile_loadd(4, a + k, sa);
     _tile_loadd(5, a + 16 * lda + k, sa);
-    _tile_loadd(6, b + k * NR_AMX, sb);        // pair k / 2, row stride 2 NR_AMX words
-    _tile_loadd(7, b + k * NR_AMX + 32, sb);   // 16 columns on
+    _tile_loadd(6, b + k / 2 * ldb, sb);        // pairs k / 2 .. k / 2 + 15
+    _tile_loadd(7, b + k / 2 * ldb + 32, sb);   // 16 columns on
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
@@ -438,6 +440,80 @@ void panel_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64
         for (int64_t i = 0; i < rows; ++i) std::memcpy(c + i * N, c_pad + i * 32, sizeof(float) * cols);
       }
     }
+  }
+  _tile_release();
+}
+
+// ---- pre-packed weights on tiles ----------------------------------------------------------
+//
+// A weight the engine packed once at load (`native_cpu.pack_weight`): [N / 32, K / 2, 32, 2],
+// element [b, p, c, e] = w[2p + e, 32b + c], i.e. each 32-column block of the weight already in
+// the k-pair layout the tiles' second operand takes, one contiguous run of K x 32 words. The
+// tiles read it where it lies: no per-call packing, which with few rows was most of the cost
+// (a panel's rows are 512-byte pieces of strided weight rows). Same tile operations in the same
+// order as panel_amx, so the same bits.
+
+// Tiles for blocks of `rows` rows (1-32): sums 0-1 and x tile 4 take the first 16 rows, sums
+// 2-3 and x tile 5 the rest; the weight tiles 6-7 are 16 k pairs x 16 columns. A tile with fewer
+// rows costs the tiles less (a decode step of 1-16 rows is not padded to 32), and each row's
+// sums are the same as in a full tile.
+void configure_tiles_rows(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(16, rows)), rest = static_cast<uint8_t>(rows - top);
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = top;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rest;
+  cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = rest ? 64 : 0;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// c[0:rows, 0:32] = a[0:rows, 0:K] times a pre-packed 32-column block b (K / 2 pairs of 32 x 2
+// words), tiles configured for `rows` by configure_tiles_rows.
+void amx_block_packed(const uint16_t* a, int64_t K, const uint16_t* b, float* c, int64_t ldc, int64_t rows) {
+  const int64_t sc = ldc * 4, sa = K * 2, sb = 64 * 2;
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, a + k, sa);
+    _tile_loadd(6, b + k * 32, sb);        // pairs k / 2 .. k / 2 + 15, columns 0-15
+    _tile_loadd(7, b + k * 32 + 32, sb);   // columns 16-31
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a + 16 * K + k, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  if (two) {
+    _tile_stored(2, c + 16 * ldc, sc);
+    _tile_stored(3, c + 16 * ldc + 16, sc);
+  }
+}
+
+// Columns [n0, n0 + width) (multiples of 32) of the packed weight wp times x rows [m0, m1), in
+// blocks of up to 32 rows; no row is padded.
+void panel_amx_packed(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t m1, int64_t K,
+                      int64_t N, int64_t n0, int64_t width) {
+  const int64_t full_end = m0 + (m1 - m0) / MR_AMX * MR_AMX;
+  if (full_end > m0) {   // whole 32-row blocks: each weight block read once for all of them
+    configure_tiles_rows(MR_AMX);
+    for (int64_t col = n0; col < n0 + width; col += 32)
+      for (int64_t m = m0; m < full_end; m += MR_AMX)
+        amx_block_packed(x + m * K, K, wp + col * K, y + m * N + col, N, MR_AMX);   // block col / 32 at col * K words
+  }
+  if (full_end < m1) {   // the last rows
+    configure_tiles_rows(m1 - full_end);
+    for (int64_t col = n0; col < n0 + width; col += 32)
+      amx_block_packed(x + full_end * K, K, wp + col * K, y + full_end * N + col, N, m1 - full_end);
   }
   _tile_release();
 }
@@ -523,6 +599,8 @@ void panel_amx_t(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int
                  int64_t) {}
 void pack_x_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 bool amx_permitted() { return false; }
+void panel_amx_packed(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                      int64_t) {}
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                uint16_t*) {}
 
@@ -651,6 +729,43 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
   return ffi::Error::Success();
 }
 
+// Columns per work item of a pre-packed weight: no panel is packed, so items can be small (two
+// threads share q/k/v's 960 columns evenly at a decode step's few rows).
+constexpr int64_t NR_PACKED = 64;
+
+// x [M, K] bfloat16 times each pre-packed weight [N_i / 32, K / 2, 32, 2] into y_i [M, N_i] float32.
+ffi::Error GemmPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("gemm_packed takes x [M, K] bfloat16");
+  const int64_t M = xd[0], K = xd[1];
+  if (!amx_permitted()) return ffi::Error::Internal("gemm_packed runs on AMX tiles, which this process may not use");
+  if (K % 32 != 0) return ffi::Error::InvalidArgument("gemm_packed takes K a multiple of 32");
+  if (ws.size() == 0 || ws.size() != ys.size()) return ffi::Error::InvalidArgument("gemm takes one result per weight");
+  std::vector<Operand> ops;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
+    const auto wd = w->dimensions();
+    if (w->element_type() != ffi::DataType::BF16 || wd.size() != 4 || wd[1] * 2 != K || wd[2] != 32 || wd[3] != 2)
+      return ffi::Error::InvalidArgument("gemm_packed takes bfloat16 weights [N / 32, K / 2, 32, 2]");
+    const int64_t n = wd[0] * 32;
+    if ((*y)->element_count() != static_cast<size_t>(M * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
+    if (M > 0 && n > 0) ops.push_back({w->untyped_data(), (*y)->typed_data(), n});
+  }
+  if (ops.empty() || K == 0) {
+    for (auto& op : ops) std::fill(op.y, op.y + M * op.N, 0.0f);
+    return ffi::Error::Success();
+  }
+  const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
+  for_items<uint16_t>(pool, M, ops, NR_PACKED, MR_AMX, 0, [&](const Operand& op, int64_t n0, int64_t width,
+                                                             int64_t m0, int64_t m1, const uint16_t*, int64_t) {
+    panel_amx_packed(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width);
+  }, /*even_items=*/false);
+  return ffi::Error::Success();
+}
+
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
                     int64_t transposed) {
   return GemmRows(pool, x, ws, ys, transposed, std::numeric_limits<int64_t>::max());
@@ -679,6 +794,9 @@ ffi::Error GemmValidRowsImpl(ffi::ThreadPool, ffi::Buffer<ffi::S32>, ffi::AnyBuf
                              ffi::RemainingRets, int64_t) {
   return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
 }
+ffi::Error GemmPackedImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets) {
+  return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
+}
 }  // namespace
 
 #endif
@@ -701,3 +819,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemmValidRows, GemmValidRowsImpl,
                                   .RemainingArgs()                // weights
                                   .RemainingRets()                // results [M, N_i] float32
                                   .Attr<int64_t>("transposed"));
+
+// x [M, K] bfloat16 times weights pre-packed for the tiles ([N_i / 32, K / 2, 32, 2]; AMX only).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemmPacked, GemmPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K] bfloat16
+                                  .RemainingArgs()                // packed weights
+                                  .RemainingRets());              // results [M, N_i] float32

@@ -177,6 +177,56 @@ def test_amx_rows_do_not_depend_on_the_rows_beside_them():
     np.testing.assert_allclose(whole, want, rtol=0, atol=2e-6 * np.sqrt(576) * np.abs(want).max())
 
 
+needs_amx = pytest.mark.skipif(not native_cpu.gemm_amx(), reason="no AMX on this CPU (or JAXSERVE_AMX=0)")
+
+
+@needs_amx
+@pytest.mark.parametrize("k,ns", [(32, (32,)), (576, (576, 192, 192)), (576, (1536, 1536)), (1536, (576,)),
+                                  (96, (64, 32))], ids=str)
+def test_pre_packed_weights_give_the_tiles_bits_at_every_row_count(k, ns):
+    """`matmuls_packed` on `pack_weight`'s layout: the same bits as the tiles on the weight as it lies,
+    one row (a batch-1 step) or many, rows short of a tile and past a 32-row block, K over one
+    1,024 block (down's 1,536), several weights in one call."""
+    rng = np.random.default_rng(k + sum(ns))
+    x = jnp.asarray(rng.standard_normal((75, k)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16) for n in ns]
+    packed = [native_cpu.pack_weight(w) for w in ws]
+    for w, p in zip(ws, packed):
+        assert p.shape == (w.shape[1] // 32, k // 2, 32, 2)
+        np.testing.assert_array_equal(np.asarray(native_cpu.unpack_weight(p)), np.asarray(w))
+    whole = [np.asarray(y) for y in jax.jit(native_cpu.matmuls)(x, ws)]
+    run = jax.jit(native_cpu.matmuls_packed)
+    for rows in (1, 2, 5, 16, 17, 31, 32, 33, 64, 75):
+        got = run(x[:rows], packed)
+        for g, want in zip(got, whole):
+            assert g.dtype == jnp.float32 and g.shape == (rows, want.shape[1])
+            np.testing.assert_array_equal(np.asarray(g), want[:rows])
+
+
+@pytest.mark.parametrize("w,ok", [((64, 96), True), ((48, 64), False), ((64, 40), False), ((64,), False)],
+                         ids=str)
+def test_only_bf16_weights_with_32_multiples_pack(w, ok):
+    weight = jnp.zeros(w, jnp.bfloat16)
+    assert native_cpu.packable(weight) is ok
+    assert not native_cpu.packable(weight.astype(jnp.float32))
+    if not ok:
+        with pytest.raises(ValueError, match="multiples of 32"):
+            native_cpu.pack_weight(weight)
+
+
+@pytest.mark.parametrize("x,w,match", [
+    ((3, 96), (2, 32, 32, 2), "matmuls_packed takes"),            # K 96 against 32 pairs
+    ((3, 64), (2, 64, 32), "matmuls_packed takes"),               # not packed
+    ((3, 64), (2, 32, 16, 2), "matmuls_packed takes"),            # a column block of 16
+    ((64,), (2, 32, 32, 2), "matmuls_packed takes"),
+], ids=str)
+def test_packed_matmul_refuses_bad_operands(x, w, match):
+    with pytest.raises(ValueError, match=match):
+        native_cpu.matmuls_packed(jnp.zeros(x, jnp.bfloat16), [jnp.zeros(w, jnp.bfloat16)])
+    with pytest.raises(ValueError, match=match):   # float32 x
+        native_cpu.matmuls_packed(jnp.zeros((3, 64), jnp.float32), [jnp.zeros((2, 32, 32, 2), jnp.bfloat16)])
+
+
 @needs_gemm
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("einsum_str", list(SHAPES))
