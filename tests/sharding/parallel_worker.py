@@ -61,7 +61,7 @@ def run_tp(model_dir, sizes):
         outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         runner = llm.engine.runner
         kv = runner.kv_caches[0]
-        q_kernel = runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+        q_kernel = runner.param_arrays()[("layers", 0, "self_attn", "q_proj", "kernel")]   # the model's own shape
         result[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "logits": prompt_logits(llm.engine, PROMPTS[2]).tolist(),
