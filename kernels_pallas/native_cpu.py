@@ -52,6 +52,7 @@ GEMM_ROWS_TARGET = "jaxserve_gemm_valid_rows"
 GEMM_PACKED_TARGET = "jaxserve_gemm_packed"
 SILU_MUL_TARGET = "jaxserve_silu_mul"
 WRITE_KV_TARGET = "jaxserve_write_kv"
+ADD_RMS_NORM_TARGET = "jaxserve_add_rms_norm"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
 _STALE_BUILD_SECONDS = 600   # a build folder this old belongs to a process that is gone
 _BITS = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}
@@ -153,6 +154,7 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(GEMM_PACKED_TARGET, jax.ffi.pycapsule(lib.JaxserveGemmPacked), platform="cpu")
         jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.JaxserveSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_KV_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKv), platform="cpu")
+        jax.ffi.register_ffi_target(ADD_RMS_NORM_TARGET, jax.ffi.pycapsule(lib.JaxserveAddRmsNorm), platform="cpu")
         try:
             silu_table()   # now, outside any trace (see silu_table)
         except Exception as e:  # noqa: BLE001 - the other kernels do not need it
@@ -436,3 +438,34 @@ def write_kv(kv_cache, k, v, slot_mapping):
     call = jax.ffi.ffi_call(WRITE_KV_TARGET, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                             input_output_aliases={0: 0})
     return call(kv_cache, k.astype(kv_cache.dtype), v.astype(kv_cache.dtype), slot_mapping)
+
+
+def add_rms_norm(x, delta, weight, eps: float):
+    """(x + delta, RMSNorm(x + delta) * weight) for a bfloat16 decoder on the CPU, in one pass: the
+    residual add of a sublayer's output and the norm of the next. x [T, H] float32 (the residual
+    stream, which XLA keeps in float32 in a bf16 model) or bfloat16 (the embedding); delta [T, H]
+    float32 (a projection's unrounded product plus its bias: rounded to bfloat16 first, as the
+    projection's output is) or bfloat16, or None (no add); weight [H] bfloat16. Returns (the sum in
+    float32, the norm in bfloat16): `add_rms_norm_reference`'s values but for the norm's sum of
+    squares, taken in a fixed order of its own (`native/step_ops.cc`), which may move a bf16
+    output by an ulp. Not differentiable (the engine's step only). Call `available()` first."""
+    if (x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16) or weight.shape != x.shape[-1:]
+            or weight.dtype != jnp.bfloat16):
+        raise ValueError(f"add_rms_norm takes x [T, H] float32 or bfloat16 and weight [H] bfloat16, got "
+                         f"{x.dtype}{list(x.shape)} and {weight.dtype}{list(weight.shape)}")
+    if delta is not None and (delta.shape != x.shape or delta.dtype not in (jnp.float32, jnp.bfloat16)):
+        raise ValueError(f"add_rms_norm takes delta [T, H] float32 or bfloat16 like x {list(x.shape)}, got "
+                         f"{delta.dtype}{list(delta.shape)}")
+    call = jax.ffi.ffi_call(ADD_RMS_NORM_TARGET, (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                                                  jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)))
+    return tuple(call(x, x if delta is None else delta, weight, eps=np.float32(eps), add=np.int64(delta is not None)))
+
+
+def add_rms_norm_reference(x, delta, weight, eps: float):
+    """What `add_rms_norm` computes, in jnp: the residual in float32 plus the bf16-rounded delta,
+    and HF's RMSNorm of it (float32 math, normed rounded to bf16 before the weight): its oracle."""
+    x = x.astype(jnp.float32)
+    if delta is not None:
+        x = x + delta.astype(jnp.bfloat16).astype(jnp.float32)
+    normed = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)).astype(jnp.bfloat16)
+    return x, weight * normed

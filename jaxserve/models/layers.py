@@ -65,6 +65,15 @@ class Proj(nnx.Einsum):
         y = one_row_safe(super().__call__, x)
         return y.astype(self.dtype or x.dtype)
 
+    def unrounded(self, x: jax.Array) -> jax.Array:
+        """This projection before its rounding to the compute dtype: the native float32 product plus
+        the bias where the native matvec/matmul takes x (the caller rounds it, e.g. `add_rms_norm`);
+        else the finished output."""
+        ys = native_products([self], x)
+        if ys is None:
+            return self(x)
+        return ys[0] if self.bias is None else ys[0] + self.bias[...].astype(jnp.float32)
+
     def finish(self, y: jax.Array, x_dtype) -> jax.Array:
         """A native float32 product -> this projection's output: plus the bias, in the compute dtype."""
         if self.bias is not None:
@@ -205,6 +214,27 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
 
 
+def add_norm(norm: RMSNorm, x: jax.Array, delta: jax.Array | None, native: bool) -> tuple[jax.Array, jax.Array]:
+    """(x + delta, norm(x + delta)): a sublayer's output added to the residual stream and the next
+    norm (delta None: (x, norm(x))). `native` (`native_norm_ok`): one native call
+    (`native_cpu.add_rms_norm`) that keeps the stream in float32 and takes delta unrounded, which
+    is what XLA's fusions compute for a bf16 model (it drops the rounding of the bf16 adds); else
+    the jnp ops, delta being the sublayer's finished output."""
+    if native:
+        return native_cpu.add_rms_norm(x, delta, norm.weight[...], norm.eps)
+    if delta is not None:
+        x = x + delta
+    return x, norm(x)
+
+
+def native_norm_ok(norm: RMSNorm, md: AttentionMetadata | None, cpu_backend: bool) -> bool:
+    """True when `add_norm` may take the native call: a bfloat16 norm in the engine's step (`md`: the
+    training forward stays jnp, differentiable) on the `cpu` attention backend. JAXSERVE_NATIVE_NORM=0
+    keeps XLA's fusions (A/B benchmarks)."""
+    return (cpu_backend and md is not None and norm.dtype == jnp.bfloat16 and norm.weight[...].dtype == jnp.bfloat16
+            and os.environ.get("JAXSERVE_NATIVE_NORM", "1") != "0" and _unsharded() and native_cpu.available())
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
     """Inverse frequencies [head_dim // 2] float32, with linear or Llama-3 scaling.
 
@@ -320,8 +350,10 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None,
+        unrounded: bool = False,
     ) -> tuple[jax.Array, jax.Array | None]:
+        """(o_proj's output [T, hidden], the updated cache); `unrounded`: o_proj as `Proj.unrounded`."""
         # [T, heads, head_dim], [T, kv_heads, head_dim] x 2
         q, k, v = project_together([self.q_proj, self.k_proj, self.v_proj], x)
         if self.q_norm is not None:                         # Qwen3: per-head RMSNorm before RoPE
@@ -339,7 +371,7 @@ class Attention(nnx.Module):
             kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
                               sliding_window=self.sliding_window)
-        return self.o_proj(out), kv_cache                   # [T, hidden]
+        return (self.o_proj.unrounded(out) if unrounded else self.o_proj(out)), kv_cache   # [T, hidden]
 
 
 class MLP(nnx.Module):
@@ -356,7 +388,8 @@ class MLP(nnx.Module):
         self.up_proj = Proj("td,df->tf", (hidden, intermediate), up_bias, **common)
         self.down_proj = Proj("tf,fd->td", (intermediate, hidden), down_bias, **common)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, unrounded: bool = False) -> jax.Array:
+        """[T, hidden]; `unrounded`: down_proj as `Proj.unrounded`."""
         projs = [self.gate_proj, self.up_proj]
         ys = native_products(projs, x)
         if ys is not None and native_silu_mul_ok(projs, x):
@@ -364,7 +397,7 @@ class MLP(nnx.Module):
         else:
             gate, up = [p(x) for p in projs] if ys is None else [p.finish(y, x.dtype) for p, y in zip(projs, ys)]
             h = jax.nn.silu(gate) * up                        # [T, intermediate]
-        return self.down_proj(h)                              # [T, hidden]
+        return self.down_proj.unrounded(h) if unrounded else self.down_proj(h)   # [T, hidden]
 
 
 class DecoderLayer(nnx.Module):
@@ -379,9 +412,14 @@ class DecoderLayer(nnx.Module):
                        native_rows=config.native_rows, **common)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
-        x = x + attn_out                                           # [T, hidden]
-        x = x + self.mlp(self.post_attention_layernorm(x))         # [T, hidden]
-        return x, kv_cache
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array | None, md: AttentionMetadata | None,
+        pending: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """x [T, hidden] plus `pending` (the layer before's MLP output, not yet added: the add goes
+        with this layer's first norm) -> (x after attention, this layer's MLP output, still to be
+        added, e.g. by `add_norm` with the next norm; the updated cache)."""
+        native = native_norm_ok(self.input_layernorm, md, self.self_attn.attention_backend == "cpu")
+        x, h = add_norm(self.input_layernorm, x, pending, native)                     # [T, hidden] x 2
+        attn_out, kv_cache = self.self_attn(h, positions, kv_cache, md, unrounded=native)
+        x, h = add_norm(self.post_attention_layernorm, x, attn_out, native)
+        return x, self.mlp(h, unrounded=native), kv_cache

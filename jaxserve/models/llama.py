@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import DecoderLayer, RMSNorm, native_gemm_ok, native_matvec_ok, one_row_safe
+from jaxserve.models.layers import (DecoderLayer, RMSNorm, add_norm, native_gemm_ok, native_matvec_ok,
+                                    native_norm_ok, one_row_safe)
 from kernels_pallas import native_cpu
 from jaxserve.models.metadata import AttentionMetadata
 
@@ -49,21 +50,22 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, list[jax.Array]]:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        x = self.embed_tokens(input_ids)                   # [T, hidden]
-        new_caches = []
+        x, pending = self.embed_tokens(input_ids), None    # [T, hidden]; each layer's MLP output waits for
+        new_caches = []                                    # the next norm (`add_norm`)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, positions, kv_cache, md)
+            x, pending, kv_cache = layer(x, positions, kv_cache, md, pending)
             new_caches.append(kv_cache)
-        return self.norm(x), new_caches                    # [T, hidden]
+        return add_norm(self.norm, x, pending, native_norm_ok(self.norm, md, self.config.native_rows))[1], new_caches   # [T, hidden]
 
     def forward(self, input_ids: jax.Array) -> jax.Array:
         """[T] token ids of one sequence -> [T, vocab] float32 logits, by dense causal attention and
         no KV cache: the differentiable path for training the same params the engine serves."""
         x = self.embed_tokens(input_ids)
         positions = jnp.arange(input_ids.shape[0], dtype=jnp.int32)
+        pending = None
         for layer in self.layers:
-            x, _ = layer(x, positions, None, None)
-        return self.compute_logits(self.norm(x))
+            x, pending, _ = layer(x, positions, None, None, pending)
+        return self.compute_logits(add_norm(self.norm, x, pending, native=False)[1])
 
     def compute_logits(self, hidden: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """[N, hidden] -> [N, vocab] float32 logits. `num_rows` (int32 scalar): only the first rows

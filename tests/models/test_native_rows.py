@@ -370,3 +370,75 @@ def test_mlp_takes_the_native_silu_in_bf16_only(rows, dtype, bias, native_silu, 
     xla = jax.jit(lambda x: mlp(x))
     assert "jaxserve_silu_mul" not in xla.lower(x).as_text()
     same_bits(got, xla(x)) if dtype == jnp.bfloat16 else np.testing.assert_array_equal(got, xla(x))
+
+
+# ---- the residual add and RMSNorm of bfloat16 models (native/step_ops.cc) -----------------------
+
+def _f64_norm(x32, weight, eps):
+    """HF's RMSNorm of a float32 residual with a float64 mean of squares: bf16(w * bf16(x r))."""
+    r = (1 / np.sqrt((x32.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)).astype(np.float32)
+    normed = (x32 * r).astype(jnp.bfloat16).astype(np.float32)
+    return (np.asarray(weight, np.float32) * normed).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("t,h", [(1, 576), (75, 576), (512, 64), (3, 40)], ids=str)
+@pytest.mark.parametrize("delta", ["float32", "bfloat16", None])
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_add_rms_norm_equals_the_reference(t, h, delta, x_dtype):
+    """The sum is the residual plus the bf16-rounded delta in float32, bit for bit; the norm is
+    HF's, nearly always the same bits as the jnp reference and as a float64 mean of squares (the
+    sum takes its own order: an ulp of the bf16 x * r may move, and then the product with the
+    weight by up to two); H short of a 16-lane multiple (40)."""
+    assert native_cpu.available()
+    rng = np.random.default_rng(t * h)
+    x = jnp.asarray(rng.standard_normal((t, h)) * 3, x_dtype)
+    d = None if delta is None else jnp.asarray(rng.standard_normal((t, h)), delta)
+    w = jnp.asarray(rng.standard_normal(h), jnp.bfloat16)
+    got_x, got_n = jax.jit(lambda x, d, w: native_cpu.add_rms_norm(x, d, w, 1e-5))(x, d, w)
+    want_x, want_n = jax.jit(lambda x, d, w: native_cpu.add_rms_norm_reference(x, d, w, 1e-5))(x, d, w)
+    assert got_x.dtype == jnp.float32 and got_n.dtype == jnp.bfloat16 and got_n.shape == (t, h)
+    np.testing.assert_array_equal(np.asarray(got_x), np.asarray(want_x))
+    for want in (np.asarray(want_n), _f64_norm(np.asarray(got_x), w, 1e-5)):
+        ulps = np.abs(np.asarray(got_n).view(np.int16).astype(int) - want.view(np.int16).astype(int))
+        assert ulps.max() <= 2 and (ulps == 0).mean() > 0.999
+
+
+def test_add_rms_norm_rows_do_not_depend_on_the_rows_beside_them():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((70, 576)), jnp.float32)
+    d = jnp.asarray(rng.standard_normal((70, 576)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(576), jnp.bfloat16)
+    run = jax.jit(lambda x, d, w: native_cpu.add_rms_norm(x, d, w, 1e-6))
+    whole = [np.asarray(a) for a in run(x, d, w)]
+    for rows in (1, 5, 16, 17, 33):
+        for got, want in zip(run(x[:rows], d[:rows], w), whole):
+            np.testing.assert_array_equal(np.asarray(got), want[:rows])
+
+
+@pytest.mark.parametrize("x,d,w,match", [
+    (((3, 8), jnp.float16), None, ((8,), jnp.bfloat16), "x \\[T, H\\] float32 or bfloat16"),
+    (((3, 8), jnp.float32), None, ((4,), jnp.bfloat16), "weight \\[H\\] bfloat16"),
+    (((3, 8), jnp.float32), None, ((8,), jnp.float32), "weight \\[H\\] bfloat16"),
+    (((3, 8), jnp.float32), ((3, 4), jnp.float32), ((8,), jnp.bfloat16), "delta \\[T, H\\]"),
+    (((3, 8), jnp.float32), ((3, 8), jnp.int32), ((8,), jnp.bfloat16), "delta \\[T, H\\]"),
+    (((8,), jnp.float32), None, ((8,), jnp.bfloat16), "x \\[T, H\\]"),
+], ids=str)
+def test_add_rms_norm_refuses_bad_operands(x, d, w, match):
+    with pytest.raises(ValueError, match=match):
+        native_cpu.add_rms_norm(jnp.zeros(*x), None if d is None else jnp.zeros(*d), jnp.zeros(*w), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decoder_takes_the_native_norm_in_bf16_steps_only(tiny_models, dtype, monkeypatch):
+    """A bf16 model's step runs each residual add and norm as one native call (JAXSERVE_NATIVE_NORM=0:
+    XLA's), a float32 model's keeps XLA's; the training forward (no cache) stays jnp."""
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16" if dtype == jnp.bfloat16 else "float32",
+              max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=16, max_model_len=64, token_buckets=(4, 16))
+    runner = llm.engine.runner
+    step = runner._executable((4, runner.rows(4))).as_text()
+    assert ("jaxserve_add_rms_norm" in step) == (dtype == jnp.bfloat16)
+    model = nnx.merge(runner.graphdef, runner.params)
+    assert "jaxserve_add_rms_norm" not in jax.jit(model.forward).lower(jnp.arange(5, dtype=jnp.int32)).as_text()
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
