@@ -313,18 +313,21 @@ def unpack_weight(wp):
     return wp.transpose(1, 3, 0, 2).reshape(2 * pairs, nb * cols)
 
 
-def matmuls_packed(x, wps):
+def matmuls_packed(x, wps, out_dtype=jnp.float32):
     """[x w for w in weights] for x [M, K] bfloat16 and weights pre-packed by `pack_weight` -> [M, N_i]
     float32: the same bits as `matmuls(x, weights)` on AMX tiles, without packing the weights each
-    call. Needs `gemm_amx()`. Not differentiable (the engine's step only)."""
+    call. `out_dtype` bfloat16: the same sums rounded as `.astype(jnp.bfloat16)` rounds them, at half
+    the bytes written. Needs `gemm_amx()`. Not differentiable (the engine's step only)."""
     wps = tuple(wps)
+    if out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmuls_packed returns float32 or bfloat16, got {out_dtype}")
     if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not wps
             or any(w.ndim != 4 or w.dtype != jnp.bfloat16 or w.shape[1] * 2 != x.shape[1] or w.shape[2:] != (PACK_COLUMNS, 2)
                    for w in wps)):
         raise ValueError(f"matmuls_packed takes x [M, K] bfloat16 and weights [N / 32, K / 2, 32, 2] bfloat16, got "
                          f"{x.dtype}{list(x.shape)} and {[f'{w.dtype}{list(w.shape)}' for w in wps]}")
     call = jax.ffi.ffi_call(GEMM_PACKED_TARGET, tuple(
-        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PACK_COLUMNS), jnp.float32) for w in wps))
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PACK_COLUMNS), out_dtype) for w in wps))
     return list(call(x, *wps))
 
 
@@ -364,16 +367,17 @@ _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 def silu_mul(gate, up):
     """`jax.nn.silu(gate.astype(bf16)) * up.astype(bf16)` for float32 gate and up [..., N] (a bfloat16
-    SwiGLU's elementwise half, from its projections' float32 products) -> bfloat16, bit for bit.
+    SwiGLU's elementwise half, from its projections' float32 products; or the products already
+    rounded to bfloat16, as pre-packed projections return them) -> bfloat16, bit for bit.
 
     XLA rounds each step of silu to bfloat16, so silu is a function of the 16 input bits: the
     kernel (`native/step_ops.cc`) looks up XLA's own results (`silu_table()`) instead of evaluating
     the chain, ~8 cycles an element in XLA's fusion. Differentiable (the backward pass is jnp).
     Call `available()` first.
     """
-    if gate.shape != up.shape or gate.dtype != jnp.float32 or up.dtype != jnp.float32:
-        raise ValueError(f"silu_mul takes float32 gate and up of one shape, got {gate.dtype}{list(gate.shape)} "
-                         f"and {up.dtype}{list(up.shape)}")
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"silu_mul takes float32 (or already rounded bfloat16) gate and up of one shape and dtype, "
+                         f"got {gate.dtype}{list(gate.shape)} and {up.dtype}{list(up.shape)}")
     return _silu_mul(gate, up)
 
 

@@ -91,14 +91,17 @@ def project_together(projs: list[Proj], x: jax.Array) -> list[jax.Array]:
 
 
 def native_products(projs: list[Proj], x: jax.Array) -> list[jax.Array] | None:
-    """The float32 products x W of `projs` (no bias, not rounded) from one native call, or None when
-    one of them would not take the native matvec (one row) or matmul here."""
+    """The products x W of `projs` (no bias) from one native call, or None when one of them would
+    not take the native matvec (one row) or matmul here: float32 sums, or for pre-packed bias-free
+    bf16 projections the sums already rounded to bfloat16 (what every consumer does to them
+    first: `Proj.finish`, `add_rms_norm`, `silu_mul`), at half the bytes written."""
     kernels = [p.kernel[...] for p in projs]
     rows, depth = x.shape[0], x[0].size
     if any(p.packed for p in projs):   # `pack_for_tiles` packs a group whole
         if not all(p.packed for p in projs) or x.dtype != jnp.bfloat16:
             raise ValueError("pre-packed projections take bfloat16 x, and are called together only with each other")
-        ys = native_cpu.matmuls_packed(x.reshape(rows, depth), kernels)
+        rounded = all(p.bias is None and (p.dtype or x.dtype) == jnp.bfloat16 for p in projs)
+        ys = native_cpu.matmuls_packed(x.reshape(rows, depth), kernels, jnp.bfloat16 if rounded else jnp.float32)
         return [y.reshape(rows, *p.kernel_shape[x.ndim - 1:]) for y, p in zip(ys, projs)]
     flat = [k.reshape(depth, -1) for k in kernels]
     if all(p.native_rows and native_matvec_ok(x, k) for p, k in zip(projs, kernels)) and len(set(

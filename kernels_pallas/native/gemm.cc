@@ -468,11 +468,43 @@ void configure_tiles_rows(int64_t rows) {
   _tile_loadconfig(&cfg);
 }
 
+// Sums of a finished 32 x 32 block (in L1), to be rounded into bfloat16 results.
+struct PendingBlock {
+  const float* sums = nullptr;   // [rows][32]
+  uint16_t* out = nullptr;       // row 0's first column; rows ld apart
+  int64_t ld = 0, rows = 0, done = 0;
+  // Rows [done, upto): `vcvtne2ps2bf16` rounds 32 sums to nearest even and quiets NaNs as XLA's
+  // convert does, but flushes subnormal inputs to zero; a row with one takes the exact integer
+  // rounding (XLA keeps them).
+  void convert(int64_t upto) {
+    using jaxserve_native::round_to_bf16x16;
+    const __m512i exponent = _mm512_set1_epi32(0x7F800000), mantissa = _mm512_set1_epi32(0x007FFFFF);
+    for (upto = std::min(upto, rows); done < upto; ++done) {
+      const __m512 lo = _mm512_load_ps(sums + 32 * done), hi = _mm512_load_ps(sums + 32 * done + 16);
+      const __m512i lo_bits = _mm512_castps_si512(lo), hi_bits = _mm512_castps_si512(hi);
+      const __mmask16 sub_lo = _mm512_testn_epi32_mask(lo_bits, exponent) & _mm512_test_epi32_mask(lo_bits, mantissa);
+      const __mmask16 sub_hi = _mm512_testn_epi32_mask(hi_bits, exponent) & _mm512_test_epi32_mask(hi_bits, mantissa);
+      uint16_t* row = out + done * ld;
+      if (!(sub_lo | sub_hi)) {
+        _mm512_storeu_si512(row, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        continue;
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_cvtepi32_epi16(round_to_bf16x16(lo_bits)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16), _mm512_cvtepi32_epi16(round_to_bf16x16(hi_bits)));
+    }
+  }
+};
+
 // c[0:rows, 0:32] = a[0:rows, 0:K] times a pre-packed 32-column block b (K / 2 pairs of 32 x 2
-// words), tiles configured for `rows` by configure_tiles_rows.
-void amx_block_packed(const uint16_t* a, int64_t K, const uint16_t* b, float* c, int64_t ldc, int64_t rows) {
+// words), tiles configured for `rows` by configure_tiles_rows. `pending` (bfloat16 results, or
+// null): the block before's sums, rounded a few rows each k step while the tiles work (the
+// vector units are idle then), the rest after; c is then an L1 buffer that becomes the next
+// pending block's sums.
+void amx_block_packed(const uint16_t* a, int64_t K, const uint16_t* b, float* c, int64_t ldc, int64_t rows,
+                      PendingBlock* pending = nullptr) {
   const int64_t sc = ldc * 4, sa = K * 2, sb = 64 * 2;
   const bool two = rows > 16;
+  const int64_t per_step = pending != nullptr ? (pending->rows + K / 32 - 1) / (K / 32) : 0;
   _tile_zero(0);
   _tile_zero(1);
   if (two) {
@@ -490,7 +522,9 @@ void amx_block_packed(const uint16_t* a, int64_t K, const uint16_t* b, float* c,
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    if (per_step) pending->convert(pending->done + per_step);
   }
+  if (pending != nullptr) pending->convert(pending->rows);
   _tile_stored(0, c, sc);
   _tile_stored(1, c + 16, sc);
   if (two) {
@@ -500,21 +534,31 @@ void amx_block_packed(const uint16_t* a, int64_t K, const uint16_t* b, float* c,
 }
 
 // Columns [n0, n0 + width) (multiples of 32) of the packed weight wp times x rows [m0, m1), in
-// blocks of up to 32 rows; no row is padded.
+// blocks of up to 32 rows; no row is padded. `y16`: bfloat16 results there instead of float32
+// ones in y (half the bytes written: y's rows are strided, so each result row of a block is a
+// write to another line).
 void panel_amx_packed(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t m1, int64_t K,
-                      int64_t N, int64_t n0, int64_t width) {
+                      int64_t N, int64_t n0, int64_t width, uint16_t* y16 = nullptr) {
+  alignas(64) float sums[2][MR_AMX * 32];   // bfloat16 results: a block's sums while the next computes
+  PendingBlock pending;
+  int64_t blocks = 0;
+  auto block = [&](int64_t m, int64_t col, int64_t rows) {   // weight block col / 32 lies at col * K words
+    if (y16 == nullptr) return amx_block_packed(x + m * K, K, wp + col * K, y + m * N + col, N, rows);
+    float* c = sums[blocks++ % 2];
+    amx_block_packed(x + m * K, K, wp + col * K, c, 32, rows, pending.sums ? &pending : nullptr);
+    pending = PendingBlock{c, y16 + m * N + col, N, rows, 0};
+  };
   const int64_t full_end = m0 + (m1 - m0) / MR_AMX * MR_AMX;
   if (full_end > m0) {   // whole 32-row blocks: each weight block read once for all of them
     configure_tiles_rows(MR_AMX);
     for (int64_t col = n0; col < n0 + width; col += 32)
-      for (int64_t m = m0; m < full_end; m += MR_AMX)
-        amx_block_packed(x + m * K, K, wp + col * K, y + m * N + col, N, MR_AMX);   // block col / 32 at col * K words
+      for (int64_t m = m0; m < full_end; m += MR_AMX) block(m, col, MR_AMX);
   }
   if (full_end < m1) {   // the last rows
     configure_tiles_rows(m1 - full_end);
-    for (int64_t col = n0; col < n0 + width; col += 32)
-      amx_block_packed(x + full_end * K, K, wp + col * K, y + full_end * N + col, N, m1 - full_end);
+    for (int64_t col = n0; col < n0 + width; col += 32) block(full_end, col, m1 - full_end);
   }
+  if (pending.sums) pending.convert(pending.rows);
   _tile_release();
 }
 
@@ -600,7 +644,7 @@ void panel_amx_t(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int
 void pack_x_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 bool amx_permitted() { return false; }
 void panel_amx_packed(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                      int64_t) {}
+                      int64_t, uint16_t* = nullptr) {}
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                uint16_t*) {}
 
@@ -733,7 +777,8 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
 // threads share q/k/v's 960 columns evenly at a decode step's few rows).
 constexpr int64_t NR_PACKED = 64;
 
-// x [M, K] bfloat16 times each pre-packed weight [N_i / 32, K / 2, 32, 2] into y_i [M, N_i] float32.
+// x [M, K] bfloat16 times each pre-packed weight [N_i / 32, K / 2, 32, 2] into y_i [M, N_i], all
+// float32 or all bfloat16 (the sums rounded as XLA's convert rounds them).
 ffi::Error GemmPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
   const auto xd = x.dimensions();
   if (xd.size() != 2 || x.element_type() != ffi::DataType::BF16)
@@ -742,26 +787,29 @@ ffi::Error GemmPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaining
   if (!amx_permitted()) return ffi::Error::Internal("gemm_packed runs on AMX tiles, which this process may not use");
   if (K % 32 != 0) return ffi::Error::InvalidArgument("gemm_packed takes K a multiple of 32");
   if (ws.size() == 0 || ws.size() != ys.size()) return ffi::Error::InvalidArgument("gemm takes one result per weight");
-  std::vector<Operand> ops;
+  std::vector<Operand> ops;   // y: float* of either result type (bf16 ones are cast back below)
+  const bool out_bf16 = ys.size() > 0 && ys.get<ffi::AnyBuffer>(0).has_value() &&
+                        (*ys.get<ffi::AnyBuffer>(0))->element_type() == ffi::DataType::BF16;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
-    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::AnyBuffer>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
     const auto wd = w->dimensions();
     if (w->element_type() != ffi::DataType::BF16 || wd.size() != 4 || wd[1] * 2 != K || wd[2] != 32 || wd[3] != 2)
       return ffi::Error::InvalidArgument("gemm_packed takes bfloat16 weights [N / 32, K / 2, 32, 2]");
+    if ((*y)->element_type() != (out_bf16 ? ffi::DataType::BF16 : ffi::DataType::F32))
+      return ffi::Error::InvalidArgument("gemm_packed's results are all float32 or all bfloat16");
     const int64_t n = wd[0] * 32;
     if ((*y)->element_count() != static_cast<size_t>(M * n)) return ffi::Error::InvalidArgument("y must be [M, N]");
-    if (M > 0 && n > 0) ops.push_back({w->untyped_data(), (*y)->typed_data(), n});
+    if (K == 0) std::memset((*y)->untyped_data(), 0, (*y)->size_bytes());
+    if (M > 0 && n > 0) ops.push_back({w->untyped_data(), static_cast<float*>((*y)->untyped_data()), n});
   }
-  if (ops.empty() || K == 0) {
-    for (auto& op : ops) std::fill(op.y, op.y + M * op.N, 0.0f);
-    return ffi::Error::Success();
-  }
+  if (ops.empty() || K == 0) return ffi::Error::Success();
   const uint16_t* xp = static_cast<const uint16_t*>(x.untyped_data());
   for_items<uint16_t>(pool, M, ops, NR_PACKED, MR_AMX, 0, [&](const Operand& op, int64_t n0, int64_t width,
                                                              int64_t m0, int64_t m1, const uint16_t*, int64_t) {
-    panel_amx_packed(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width);
+    uint16_t* y16 = out_bf16 ? reinterpret_cast<uint16_t*>(op.y) : nullptr;
+    panel_amx_packed(xp, static_cast<const uint16_t*>(op.w), op.y, m0, m1, K, op.N, n0, width, y16);
   }, /*even_items=*/false);
   return ffi::Error::Success();
 }
@@ -820,10 +868,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemmValidRows, GemmValidRowsImpl,
                                   .RemainingRets()                // results [M, N_i] float32
                                   .Attr<int64_t>("transposed"));
 
-// x [M, K] bfloat16 times weights pre-packed for the tiles ([N_i / 32, K / 2, 32, 2]; AMX only).
+// x [M, K] bfloat16 times weights pre-packed for the tiles ([N_i / 32, K / 2, 32, 2]; AMX only), into
+// float32 or bfloat16 results.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemmPacked, GemmPackedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()          // x [M, K] bfloat16
                                   .RemainingArgs()                // packed weights
-                                  .RemainingRets());              // results [M, N_i] float32
+                                  .RemainingRets());              // results [M, N_i] float32 or bfloat16

@@ -20,6 +20,16 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// float32 bits -> bfloat16 bits (in each lane's low half), as XLA's convert: to nearest even,
+// subnormals kept, a NaN stays a NaN (made quiet). (`vcvtneps2bf16` flushes subnormals.)
+inline __m512i round_to_bf16x16(__m512i bits) {
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+}
+
 // out[t] = sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree (45 shuffles and
 // adds instead of 16 horizontal reductions).
 inline __m512 sum_lanes16(const __m512 v[16]) {

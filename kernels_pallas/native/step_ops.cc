@@ -13,8 +13,8 @@
 // as XLA's convert), one float32 product of two bfloat16 values (exact but for overflow and
 // underflow) and its rounding to bfloat16.
 //
-// Inputs: gate [M, N] float32, up [M, N] float32, table [65536] float32. Output: h [M, N]
-// bfloat16 (raw bits).
+// Inputs: gate [M, N] and up [M, N], both float32 or both bfloat16 (already rounded: the same h),
+// table [65536] float32. Output: h [M, N] bfloat16 (raw bits).
 //
 // JaxserveAddRmsNorm: a bfloat16 decoder's residual add and the RMSNorm after it, in one pass.
 //
@@ -53,6 +53,7 @@
 
 #include "bits.h"
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 #ifdef __AVX512F__
@@ -82,13 +83,7 @@ inline uint16_t silu_mul_one(float gate, float up, const float* table) {
 }
 
 #ifdef __AVX512F__
-inline __m512i round_to_bf16(__m512i bits) {
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-}
+inline __m512i round_to_bf16(__m512i bits) { return jaxserve_native::round_to_bf16x16(bits); }
 
 // Elements [begin, end): 16 at a time, the table read with one gather per 16.
 void silu_mul_range(const float* gate, const float* up, const float* table, uint16_t* h, int64_t begin, int64_t end) {
@@ -102,25 +97,54 @@ void silu_mul_range(const float* gate, const float* up, const float* table, uint
   }
   for (; i < end; ++i) h[i] = silu_mul_one(gate[i], up[i], table);
 }
+
+// As silu_mul_range for gate and up already rounded to bfloat16 (raw bits).
+void silu_mul_range(const uint16_t* gate, const uint16_t* up, const float* table, uint16_t* h, int64_t begin,
+                    int64_t end) {
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512i g = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + i)));
+    const __m512 s = _mm512_i32gather_ps(g, table, 4);
+    const __m512 u = jaxserve_native::load_bf16x16(up + i);
+    const __m512i out = round_to_bf16(_mm512_castps_si512(_mm512_mul_ps(s, u)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtepi32_epi16(out));
+  }
+  for (; i < end; ++i)
+    h[i] = static_cast<uint16_t>(round_to_bf16(bits_of(table[gate[i]] * jaxserve_native::bf16_to_f32(up[i]))));
+}
 #else
 void silu_mul_range(const float* gate, const float* up, const float* table, uint16_t* h, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) h[i] = silu_mul_one(gate[i], up[i], table);
+}
+void silu_mul_range(const uint16_t* gate, const uint16_t* up, const float* table, uint16_t* h, int64_t begin,
+                    int64_t end) {
+  for (int64_t i = begin; i < end; ++i)
+    h[i] = static_cast<uint16_t>(round_to_bf16(bits_of(table[gate[i]] * jaxserve_native::bf16_to_f32(up[i]))));
 }
 #endif
 
 constexpr int64_t kChunk = 8192;  // elements per work item: 80 kB of inputs and output
 
-ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
-                       ffi::Buffer<ffi::F32> table, ffi::Result<ffi::Buffer<ffi::BF16>> h) {
+ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buffer<ffi::F32> table,
+                       ffi::Result<ffi::Buffer<ffi::BF16>> h) {
   const int64_t n = static_cast<int64_t>(gate.element_count());
   if (up.element_count() != gate.element_count() || h->element_count() != gate.element_count())
     return ffi::Error::InvalidArgument("silu_mul: gate, up and h sizes disagree");
+  const bool bf16 = gate.element_type() == ffi::DataType::BF16;
+  if (up.element_type() != gate.element_type() || (!bf16 && gate.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("silu_mul: gate and up must both be float32 or both bfloat16");
   if (table.element_count() != 65536) return ffi::Error::InvalidArgument("silu_mul: the table needs 65536 entries");
-  const float *g = gate.typed_data(), *u = up.typed_data(), *t = table.typed_data();
+  const float* t = table.typed_data();
   uint16_t* out = reinterpret_cast<uint16_t*>(h->untyped_data());
   const int64_t items = (n + kChunk - 1) / kChunk;
   jaxserve_native::parallel_for(pool, items, items, [&](int64_t item) {
-    silu_mul_range(g, u, t, out, item * kChunk, std::min(n, (item + 1) * kChunk));
+    const int64_t begin = item * kChunk, end = std::min(n, (item + 1) * kChunk);
+    if (bf16)
+      silu_mul_range(static_cast<const uint16_t*>(gate.untyped_data()), static_cast<const uint16_t*>(up.untyped_data()),
+                     t, out, begin, end);
+    else
+      silu_mul_range(static_cast<const float*>(gate.untyped_data()), static_cast<const float*>(up.untyped_data()), t,
+                     out, begin, end);
   });
   return ffi::Error::Success();
 }
@@ -130,8 +154,8 @@ ffi::Error SiluMulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Bu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSiluMul, SiluMulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // up
+                                  .Arg<ffi::AnyBuffer>()          // gate: float32, or bfloat16 (rounded)
+                                  .Arg<ffi::AnyBuffer>()          // up: gate's type
                                   .Arg<ffi::Buffer<ffi::F32>>()   // table: silu of every bf16 value
                                   .Ret<ffi::Buffer<ffi::BF16>>()); // h
 

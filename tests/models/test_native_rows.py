@@ -203,6 +203,25 @@ def test_pre_packed_weights_give_the_tiles_bits_at_every_row_count(k, ns):
             np.testing.assert_array_equal(np.asarray(g), want[:rows])
 
 
+@needs_amx
+def test_pre_packed_products_rounded_to_bf16_equal_the_float32_sums_rounded():
+    """`out_dtype` bfloat16: each result is the float32 sum rounded as XLA's convert rounds it, for
+    sums that are plain, huge (rounding to inf), inf and NaN; every row count of a block."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    x[3, 5], x[4, 7], x[5, :] = np.inf, np.nan, 3e38   # inf and NaN sums; sums past bf16's largest
+    x = jnp.asarray(x, jnp.bfloat16)
+    packed = [native_cpu.pack_weight(jnp.asarray(rng.standard_normal((96, n)), jnp.bfloat16)) for n in (64, 32)]
+    f32 = jax.jit(native_cpu.matmuls_packed)
+    bf16 = jax.jit(lambda x, w: native_cpu.matmuls_packed(x, w, jnp.bfloat16))
+    for rows in (1, 7, 32, 45, 70):
+        for got, want in zip(bf16(x[:rows], packed), f32(x[:rows], packed)):
+            assert got.dtype == jnp.bfloat16
+            same_bits(got, want.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native_cpu.matmuls_packed(x, packed, jnp.float16)
+
+
 @pytest.mark.parametrize("w,ok", [((64, 96), True), ((48, 64), False), ((64, 40), False), ((64,), False)],
                          ids=str)
 def test_only_bf16_weights_with_32_multiples_pack(w, ok):
@@ -331,6 +350,17 @@ def test_silu_mul_equals_xla_on_any_float32(shape):
         same_bits(jax.jit(native_cpu.silu_mul)(gate, up), jax.jit(native_cpu.silu_mul_reference)(gate, up))
 
 
+def test_silu_mul_takes_products_already_rounded_to_bf16():
+    """Gate and up as bfloat16 (pre-packed projections round their sums): the same bits as from
+    the float32 sums."""
+    rng = np.random.default_rng(12)
+    bits = rng.integers(0, 1 << 32, size=(2, 37, 301), dtype=np.uint64).astype(np.uint32)
+    for gate, up in (bits.view(np.float32), rng.standard_normal((2, 37, 301)).astype(np.float32) * 4):
+        gate, up = jnp.asarray(gate), jnp.asarray(up)
+        same_bits(jax.jit(native_cpu.silu_mul)(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)),
+                  jax.jit(native_cpu.silu_mul)(gate, up))
+
+
 def test_silu_mul_gradients_equal_jnp():
     rng = np.random.default_rng(7)
     gate, up = (jnp.asarray(rng.standard_normal((5, 40)), jnp.float32) for _ in range(2))
@@ -343,8 +373,8 @@ def test_silu_mul_gradients_equal_jnp():
 
 @pytest.mark.parametrize("gate,up,match", [
     (jnp.zeros((3, 4)), jnp.zeros((4, 3)), "one shape"),
-    (jnp.zeros((3, 4), jnp.bfloat16), jnp.zeros((3, 4), jnp.bfloat16), "float32 gate and up"),
-    (jnp.zeros((3, 4)), jnp.zeros((3, 4), jnp.bfloat16), "float32 gate and up"),
+    (jnp.zeros((3, 4), jnp.float16), jnp.zeros((3, 4), jnp.float16), "float32 \\(or already rounded bfloat16\\)"),
+    (jnp.zeros((3, 4)), jnp.zeros((3, 4), jnp.bfloat16), "one shape and dtype"),
 ])
 def test_silu_mul_refuses_bad_operands(gate, up, match):
     with pytest.raises(ValueError, match=match):
