@@ -321,11 +321,12 @@ def matmuls_packed(x, wps, out_dtype=jnp.float32):
     wps = tuple(wps)
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmuls_packed returns float32 or bfloat16, got {out_dtype}")
-    if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not wps
+    if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not wps or x.shape[1] % 32
             or any(w.ndim != 4 or w.dtype != jnp.bfloat16 or w.shape[1] * 2 != x.shape[1] or w.shape[2:] != (PACK_COLUMNS, 2)
                    for w in wps)):
-        raise ValueError(f"matmuls_packed takes x [M, K] bfloat16 and weights [N / 32, K / 2, 32, 2] bfloat16, got "
-                         f"{x.dtype}{list(x.shape)} and {[f'{w.dtype}{list(w.shape)}' for w in wps]}")
+        raise ValueError(f"matmuls_packed takes x [M, K] bfloat16 (K a multiple of 32) and weights "
+                         f"[N / 32, K / 2, 32, 2] bfloat16, got {x.dtype}{list(x.shape)} and "
+                         f"{[f'{w.dtype}{list(w.shape)}' for w in wps]}")
     call = jax.ffi.ffi_call(GEMM_PACKED_TARGET, tuple(
         jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PACK_COLUMNS), out_dtype) for w in wps))
     return list(call(x, *wps))

@@ -257,20 +257,22 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
         speculative=config.speculative_config)
 
     t0 = time.perf_counter()
-    replicas = []
+    runners = []
     for replica_mesh in meshes:
-        runner = ModelRunner(
+        runners.append(ModelRunner(
             model, model_config, block_size=config.block_size, num_blocks=num_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len, max_logprobs=config.max_logprobs, eos_token_ids=tokenizer.eos_token_ids,
             kv_dtype=_DTYPES[config.dtype], mesh=replica_mesh, buckets=config.token_buckets,
             num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config
             else 0,
-            pack_weights=params is None)   # a caller's arrays are served as they are (shared, e.g. a trainer's)
+            pack_weights=params is None))   # a caller's arrays are served as they are (shared, e.g. a trainer's)
+    del model   # a runner that packed its weights holds its own copies: the model's go before warm-up
+    replicas = []
+    for runner in runners:
         # A multi-process engine's followers compile what the leader's steps need: all of it, up front.
         runner.warmup(background_after=config.background_warmup_after if config.num_processes == 1 else 0)
         replicas.append(Replica(Scheduler(scheduler_config), runner))
-    del model
     times["warmup"] = time.perf_counter() - t0
     if times["warmup"] > 60 and config.token_buckets is None:
         logger.warning("warm-up compiled %d token buckets in %.0f s; fewer buckets start faster at the cost of "

@@ -43,6 +43,8 @@ class Proj(nnx.Einsum):
     through the native CPU matvec, which streams the weight in place,
     and 2+ rows through the native register-tiled matmul (`native_cpu.matmul`, 1.1-2x XLA's
     rate at the model's shapes, most at decode-sized row counts; benchmarks/RESULTS.md).
+    `packed` (set by `pack_for_tiles`): the kernel is laid out for the AMX tiles, and every row
+    count, one included, takes `native_cpu.matmuls_packed`.
     """
 
     def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *, dtype, param_dtype, rngs: nnx.Rngs,
@@ -66,9 +68,10 @@ class Proj(nnx.Einsum):
         return y.astype(self.dtype or x.dtype)
 
     def unrounded(self, x: jax.Array) -> jax.Array:
-        """This projection before its rounding to the compute dtype: the native float32 product plus
-        the bias where the native matvec/matmul takes x (the caller rounds it, e.g. `add_rms_norm`);
-        else the finished output."""
+        """This projection with its rounding to the compute dtype left to the caller (e.g.
+        `add_rms_norm`): the native float32 product plus the bias where the native matvec/matmul
+        takes x; else the finished output (so also for a bias-free pre-packed projection, whose
+        product comes rounded: `native_products`)."""
         ys = native_products([self], x)
         if ys is None:
             return self(x)

@@ -55,7 +55,8 @@ class LlamaForCausalLM(nnx.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, pending, kv_cache = layer(x, positions, kv_cache, md, pending)
             new_caches.append(kv_cache)
-        return add_norm(self.norm, x, pending, native_norm_ok(self.norm, md, self.config.native_rows))[1], new_caches   # [T, hidden]
+        native = native_norm_ok(self.norm, md, self.config.attention_backend == "cpu")   # as each layer decides
+        return add_norm(self.norm, x, pending, native)[1], new_caches                   # [T, hidden]
 
     def forward(self, input_ids: jax.Array) -> jax.Array:
         """[T] token ids of one sequence -> [T, vocab] float32 logits, by dense causal attention and

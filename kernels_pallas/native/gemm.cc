@@ -21,6 +21,10 @@
 // in a [N, K] row). K is walked in blocks of KC so a panel stays in L2. Threads split the (panel, row part)
 // items on XLA's intra-op threads (parallel.h); a weight panel is read from memory once per
 // row part.
+//
+// JaxserveGemmPacked (AMX only): bfloat16 weights the engine laid out at load in the tiles'
+// layout ([N/32, K/2, 32, 2], native_cpu.pack_weight), read where they lie with no packing,
+// tiles configured for each block's 1-32 rows; results float32, or bfloat16 rounded in the kernel.
 
 #include <algorithm>
 #include <cstdint>
@@ -350,7 +354,7 @@ constexpr int64_t MR_AMX = 32;
 // Columns per AMX panel: a weight's rows are read in 512-byte pieces. With few rows the packing
 // is most of the cost, and it reads the weight at ~12-16 GB/s (the one-row matvec, which streams
 // whole rows, reads it at ~33): 256 columns against 64 took a decode step of 64 rows from 64-69 to
-// 60-63 ms. Pre-packed weights would remove the packing (not done: a params layout change).
+// 60-63 ms. The engine's own bf16 projections come pre-packed (panel_amx_packed): no packing.
 constexpr int64_t NR_AMX = 256;
 
 // Linux hands out AMX tile state only to processes that ask for it (once, for every thread).
@@ -380,10 +384,9 @@ void configure_tiles() {   // tiles 0-3: sums; 4-5: x; 6-7: weights; each 16 row
 
 // c[0:32, 0:32] (+)= a[0:32, 0:kc] times the panel's k pairs [0, kc/2) at columns b (row
 // stride 2 NR_AMX words); lda, ldc in elements.
-// `ldb`: words from one k pair of the panel to the next (2 NR_AMX for a packed panel, 64 for a
-// pre-packed weight's 32-column block).
 void amx_block(const uint16_t* a, int64_t lda, const uint16_t* b, float* c, int64_t ldc, int64_t kc,
-               bool accumulate, int64_t ldb = 2 * NR_AMX) {
+               bool accumulate) {
+  const int64_t ldb = 2 * NR_AMX;   // words from one k pair of the panel to the next
   const int64_t sc = ldc * 4, sa = lda * 2, sb = ldb * 2;
   if (accumulate) {
     _tile_loadd(0, c, sc);
@@ -475,7 +478,7 @@ struct PendingBlock {
   int64_t ld = 0, rows = 0, done = 0;
   // Rows [done, upto): `vcvtne2ps2bf16` rounds 32 sums to nearest even and quiets NaNs as XLA's
   // convert does, but flushes subnormal inputs to zero; a row with one takes the exact integer
-  // rounding (XLA keeps them).
+  // rounding (XLA keeps them). (The tiles flush subnormal sums themselves, so this is a guard.)
   void convert(int64_t upto) {
     using jaxserve_native::round_to_bf16x16;
     const __m512i exponent = _mm512_set1_epi32(0x7F800000), mantissa = _mm512_set1_epi32(0x007FFFFF);
@@ -786,14 +789,15 @@ ffi::Error GemmPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaining
   const int64_t M = xd[0], K = xd[1];
   if (!amx_permitted()) return ffi::Error::Internal("gemm_packed runs on AMX tiles, which this process may not use");
   if (K % 32 != 0) return ffi::Error::InvalidArgument("gemm_packed takes K a multiple of 32");
-  if (ws.size() == 0 || ws.size() != ys.size()) return ffi::Error::InvalidArgument("gemm takes one result per weight");
+  if (ws.size() == 0 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("gemm_packed takes one result per weight");
   std::vector<Operand> ops;   // y: float* of either result type (bf16 ones are cast back below)
   const bool out_bf16 = ys.size() > 0 && ys.get<ffi::AnyBuffer>(0).has_value() &&
                         (*ys.get<ffi::AnyBuffer>(0))->element_type() == ffi::DataType::BF16;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
     auto y = ys.get<ffi::AnyBuffer>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm: a weight or result of a wrong type");
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("gemm_packed: a weight or result of a wrong type");
     const auto wd = w->dimensions();
     if (w->element_type() != ffi::DataType::BF16 || wd.size() != 4 || wd[1] * 2 != K || wd[2] != 32 || wd[3] != 2)
       return ffi::Error::InvalidArgument("gemm_packed takes bfloat16 weights [N / 32, K / 2, 32, 2]");

@@ -223,7 +223,7 @@ void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, f
   for (int64_t r = r0; r < r1; ++r) {
     float* row = x_out + r * H;
     const X* xr = x + r * H;
-    const Delta* dr = delta + r * H;
+    const Delta* dr = kAdd ? delta + r * H : nullptr;
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) {
       float v;

@@ -206,18 +206,27 @@ def test_pre_packed_weights_give_the_tiles_bits_at_every_row_count(k, ns):
 @needs_amx
 def test_pre_packed_products_rounded_to_bf16_equal_the_float32_sums_rounded():
     """`out_dtype` bfloat16: each result is the float32 sum rounded as XLA's convert rounds it, for
-    sums that are plain, huge (rounding to inf), inf and NaN; every row count of a block."""
+    sums that are plain, inf, NaN, and finite but past bfloat16's largest (a tie there rounds to
+    inf, just below it to the largest); every row count of a block."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal((70, 96)).astype(np.float32)
-    x[3, 5], x[4, 7], x[5, :] = np.inf, np.nan, 3e38   # inf and NaN sums; sums past bf16's largest
+    w = rng.standard_normal((96, 96)).astype(np.float32)
+    x[3, 5], x[4, 7] = np.inf, np.nan                  # inf and NaN sums
+    # row 5: (2 - 2^-7) 2^126 * 2 + 2^119 * {1, 0.5} = bf16's largest (0x7F7F) + a half / a quarter ulp
+    x[5, :] = 0
+    x[5, 0], x[5, 1] = 1.9921875 * 2.0 ** 126, 2.0 ** 119
+    w[0, :], w[1, :64], w[1, 64:] = 2.0, 1.0, 0.5
     x = jnp.asarray(x, jnp.bfloat16)
-    packed = [native_cpu.pack_weight(jnp.asarray(rng.standard_normal((96, n)), jnp.bfloat16)) for n in (64, 32)]
+    w = jnp.asarray(w, jnp.bfloat16)
+    packed = [native_cpu.pack_weight(w[:, :64]), native_cpu.pack_weight(w[:, 64:])]
     f32 = jax.jit(native_cpu.matmuls_packed)
     bf16 = jax.jit(lambda x, w: native_cpu.matmuls_packed(x, w, jnp.bfloat16))
     for rows in (1, 7, 32, 45, 70):
         for got, want in zip(bf16(x[:rows], packed), f32(x[:rows], packed)):
             assert got.dtype == jnp.bfloat16
             same_bits(got, want.astype(jnp.bfloat16))
+    tie, below = (np.asarray(y[5]).view(np.uint16) for y in bf16(x, packed))
+    assert (tie == 0x7F80).all() and (below == 0x7F7F).all()   # inf; bf16's largest
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         native_cpu.matmuls_packed(x, packed, jnp.float16)
 
@@ -460,15 +469,21 @@ def test_add_rms_norm_refuses_bad_operands(x, d, w, match):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decoder_takes_the_native_norm_in_bf16_steps_only(tiny_models, dtype, monkeypatch):
-    """A bf16 model's step runs each residual add and norm as one native call (JAXSERVE_NATIVE_NORM=0:
-    XLA's), a float32 model's keeps XLA's; the training forward (no cache) stays jnp."""
+    """A bf16 model's step runs each residual add and norm as one native call, a float32 model's keeps
+    XLA's; the training forward (no cache) stays jnp and differentiable (weights as they lie: an
+    engine's pre-packed kernels serve its steps only)."""
     from jaxserve import LLM, SamplingParams
+    monkeypatch.setenv("JAXSERVE_PACKED_WEIGHTS", "0")
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16" if dtype == jnp.bfloat16 else "float32",
               max_num_batched_tokens=16, max_num_seqs=4, num_kv_blocks=16, max_model_len=64, token_buckets=(4, 16))
     runner = llm.engine.runner
     step = runner._executable((4, runner.rows(4))).as_text()
     assert ("jaxserve_add_rms_norm" in step) == (dtype == jnp.bfloat16)
-    model = nnx.merge(runner.graphdef, runner.params)
-    assert "jaxserve_add_rms_norm" not in jax.jit(model.forward).lower(jnp.arange(5, dtype=jnp.int32)).as_text()
+    graphdef, params = runner.graphdef, runner.params
+    ids = jnp.arange(5, dtype=jnp.int32)
+    loss = lambda params: jnp.sum(nnx.merge(graphdef, params).forward(ids)[:, 3])
+    assert "jaxserve_add_rms_norm" not in jax.jit(loss).lower(params).as_text()
+    grads = jax.tree.leaves(jax.grad(loss)(params))
+    assert grads and all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
