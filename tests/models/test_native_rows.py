@@ -246,6 +246,7 @@ def test_only_bf16_weights_with_32_multiples_pack(w, ok):
     ((3, 96), (2, 32, 32, 2), "matmuls_packed takes"),            # K 96 against 32 pairs
     ((3, 64), (2, 64, 32), "matmuls_packed takes"),               # not packed
     ((3, 64), (2, 32, 16, 2), "matmuls_packed takes"),            # a column block of 16
+    ((3, 48), (2, 24, 32, 2), "matmuls_packed takes"),            # K 48: not whole x tiles
     ((64,), (2, 32, 32, 2), "matmuls_packed takes"),
 ], ids=str)
 def test_packed_matmul_refuses_bad_operands(x, w, match):
