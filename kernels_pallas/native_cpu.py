@@ -302,7 +302,8 @@ def pack_weight(w):
     """A bfloat16 weight [K, N] laid out for the AMX tiles: [N / 32, K / 2, 32, 2], element [b, p, c, e]
     = w[2p + e, 32b + c] (each 32-column block in k pairs, contiguous). `unpack_weight` inverts it."""
     if not packable(w):
-        raise ValueError(f"pack_weight takes a bfloat16 [K, N] with K and N multiples of 32, got {w.dtype}{list(w.shape)}")
+        raise ValueError(f"pack_weight takes a bfloat16 [K, N] with K and N multiples of 32, got "
+                         f"{w.dtype}{list(w.shape)}")
     k, n = w.shape
     return w.reshape(k // 2, 2, n // PACK_COLUMNS, PACK_COLUMNS).transpose(2, 0, 3, 1)
 
@@ -322,8 +323,8 @@ def matmuls_packed(x, wps, out_dtype=jnp.float32):
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmuls_packed returns float32 or bfloat16, got {out_dtype}")
     if (x.ndim != 2 or x.dtype != jnp.bfloat16 or not wps or x.shape[1] % 32
-            or any(w.ndim != 4 or w.dtype != jnp.bfloat16 or w.shape[1] * 2 != x.shape[1] or w.shape[2:] != (PACK_COLUMNS, 2)
-                   for w in wps)):
+            or any(w.ndim != 4 or w.dtype != jnp.bfloat16 or w.shape[1] * 2 != x.shape[1]
+                   or w.shape[2:] != (PACK_COLUMNS, 2) for w in wps)):
         raise ValueError(f"matmuls_packed takes x [M, K] bfloat16 (K a multiple of 32) and weights "
                          f"[N / 32, K / 2, 32, 2] bfloat16, got {x.dtype}{list(x.shape)} and "
                          f"{[f'{w.dtype}{list(w.shape)}' for w in wps]}")

@@ -70,7 +70,8 @@ def _array(name: str, value: Any):
     raise ValueError(f"param {name} is a {type(value).__name__}, not an array")
 
 
-def checked_update(current: dict[Path, jax.Array | jax.ShapeDtypeStruct], new: dict[Path, Any], *, cast: bool) -> dict[Path, jax.Array]:
+def checked_update(current: dict[Path, jax.Array | jax.ShapeDtypeStruct], new: dict[Path, Any], *,
+                   cast: bool) -> dict[Path, jax.Array]:
     """`new` checked against `current` (known paths, same shapes; same dtypes unless `cast`) and
     placed on each current array's sharding (left where it is when that is None). Raises ValueError
     naming the first mismatch; nothing is placed before everything was checked."""

@@ -17,6 +17,7 @@ projections keep the head axis explicit, q_proj [hidden, heads, head_dim], o_pro
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -135,12 +136,11 @@ def pack_for_tiles(model: nnx.Module) -> int:
             groups += [[node.gate_proj, node.up_proj], [node.down_proj]]
     count = 0
     for group in groups:
-        flat = [p.kernel[...].reshape(contracted_size(p), -1) for p in group]
         if not all(p.native_rows and not p.packed and (p.dtype or p.param_dtype) == jnp.bfloat16
-                   and native_cpu.packable(k) for p, k in zip(group, flat)):
+                   and native_cpu.packable(p.kernel[...].reshape(contracted_size(p), -1)) for p in group):
             continue
-        for p, k in zip(group, flat):
-            p.kernel.set_value(native_cpu.pack_weight(k))
+        for p in group:
+            p.kernel.set_value(pack_kernel(p.kernel[...], contracted_size(p)))
             p.packed = True
         count += len(group)
     return count
@@ -150,6 +150,13 @@ def contracted_size(proj: Proj) -> int:
     """K of a projection: the size of the kernel axes it contracts with x."""
     lhs = proj.einsum_str.split(",")[0]
     return math.prod(proj.kernel_shape[:len(lhs) - 1])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def pack_kernel(kernel: jax.Array, depth: int) -> jax.Array:
+    """A projection's kernel in its own shape (the first axes, `depth` elements, contracted with x)
+    laid out by `native_cpu.pack_weight`: what `pack_for_tiles` stores, at load and on an update."""
+    return native_cpu.pack_weight(kernel.reshape(depth, -1))
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:

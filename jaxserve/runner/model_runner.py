@@ -39,7 +39,7 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import Proj, contracted_size, pack_for_tiles
+from jaxserve.models.layers import Proj, contracted_size, pack_for_tiles, pack_kernel
 from jaxserve.runner.inputs import (PENDING, PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
                                     later_buckets, num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket,
                                     prepare_inputs, prepare_prompt_logprobs, token_buckets)
@@ -141,11 +141,6 @@ def packing_applies(config: ModelConfig, mesh: jax.sharding.Mesh) -> bool:
     attention backend's native matmuls, one device, AMX usable (JAXSERVE_PACKED_WEIGHTS=0: never)."""
     return (os.environ.get("JAXSERVE_PACKED_WEIGHTS", "1") != "0" and config.native_rows and mesh.devices.size == 1
             and mesh.devices.flat[0].platform == "cpu" and native_cpu.gemm_enabled() and native_cpu.gemm_amx())
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pack(kernel: jax.Array, depth: int) -> jax.Array:
-    return native_cpu.pack_weight(kernel.reshape(depth, -1))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -286,7 +281,8 @@ class ModelRunner:
         """Swap in arrays of the same shapes, dtypes and shardings (checked by the caller), each in the
         model's own shape (pre-packed kernels are packed again): the compiled steps take params as
         an argument, so nothing compiles again."""
-        placed = {path: (_pack(a, self._packed[path][1]) if path in self._packed else a) for path, a in placed.items()}
+        placed = {path: (pack_kernel(a, self._packed[path][1]) if path in self._packed else a)
+                  for path, a in placed.items()}
         self._replace_stored(placed)
 
     def _replace_stored(self, placed: dict[tuple, jax.Array | None]) -> None:

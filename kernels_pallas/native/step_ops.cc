@@ -76,50 +76,42 @@ inline uint32_t bits_of(float f) {
   return b;
 }
 
-inline uint16_t silu_mul_one(float gate, float up, const float* table) {
-  const float product = table[round_to_bf16(bits_of(gate))] *
-                        jaxserve_native::bf16_to_f32(static_cast<uint16_t>(round_to_bf16(bits_of(up))));
+// A value as bfloat16 bits: a float32 rounded (to nearest even, NaNs quiet), or bfloat16 bits as they are.
+inline uint32_t bf16_bits(float f) { return round_to_bf16(bits_of(f)); }
+inline uint32_t bf16_bits(uint16_t h) { return h; }
+
+template <typename T>
+inline uint16_t silu_mul_one(T gate, T up, const float* table) {
+  const float product = table[bf16_bits(gate)] * jaxserve_native::bf16_to_f32(static_cast<uint16_t>(bf16_bits(up)));
   return static_cast<uint16_t>(round_to_bf16(bits_of(product)));
 }
 
 #ifdef __AVX512F__
 inline __m512i round_to_bf16(__m512i bits) { return jaxserve_native::round_to_bf16x16(bits); }
 
-// Elements [begin, end): 16 at a time, the table read with one gather per 16.
-void silu_mul_range(const float* gate, const float* up, const float* table, uint16_t* h, int64_t begin, int64_t end) {
+// 16 values as bfloat16 bits in 32-bit lanes: float32 ones rounded, bfloat16 ones widened.
+inline __m512i bf16_bits16(const float* p) { return round_to_bf16(_mm512_castps_si512(_mm512_loadu_ps(p))); }
+inline __m512i bf16_bits16(const uint16_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Elements [begin, end) of gate and up (float32, or bfloat16 bits already rounded): 16 at a time,
+// the table read with one gather per 16.
+template <typename T>
+void silu_mul_range(const T* gate, const T* up, const float* table, uint16_t* h, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    const __m512i g = round_to_bf16(_mm512_castps_si512(_mm512_loadu_ps(gate + i)));
-    const __m512 s = _mm512_i32gather_ps(g, table, 4);
-    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16(_mm512_castps_si512(_mm512_loadu_ps(up + i))), 16));
+    const __m512 s = _mm512_i32gather_ps(bf16_bits16(gate + i), table, 4);
+    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(up + i), 16));
     const __m512i out = round_to_bf16(_mm512_castps_si512(_mm512_mul_ps(s, u)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtepi32_epi16(out));
   }
   for (; i < end; ++i) h[i] = silu_mul_one(gate[i], up[i], table);
 }
-
-// As silu_mul_range for gate and up already rounded to bfloat16 (raw bits).
-void silu_mul_range(const uint16_t* gate, const uint16_t* up, const float* table, uint16_t* h, int64_t begin,
-                    int64_t end) {
-  int64_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    const __m512i g = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + i)));
-    const __m512 s = _mm512_i32gather_ps(g, table, 4);
-    const __m512 u = jaxserve_native::load_bf16x16(up + i);
-    const __m512i out = round_to_bf16(_mm512_castps_si512(_mm512_mul_ps(s, u)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm512_cvtepi32_epi16(out));
-  }
-  for (; i < end; ++i)
-    h[i] = static_cast<uint16_t>(round_to_bf16(bits_of(table[gate[i]] * jaxserve_native::bf16_to_f32(up[i]))));
-}
 #else
-void silu_mul_range(const float* gate, const float* up, const float* table, uint16_t* h, int64_t begin, int64_t end) {
+template <typename T>
+void silu_mul_range(const T* gate, const T* up, const float* table, uint16_t* h, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) h[i] = silu_mul_one(gate[i], up[i], table);
-}
-void silu_mul_range(const uint16_t* gate, const uint16_t* up, const float* table, uint16_t* h, int64_t begin,
-                    int64_t end) {
-  for (int64_t i = begin; i < end; ++i)
-    h[i] = static_cast<uint16_t>(round_to_bf16(bits_of(table[gate[i]] * jaxserve_native::bf16_to_f32(up[i]))));
 }
 #endif
 
@@ -208,17 +200,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKvImpl,
 
 namespace {
 
-inline float bf16_bits_to_f32(uint32_t bits16) {   // (vectorises: no memcpy through a uint16_t)
-  const uint32_t b = bits16 << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-
 // Rows [r0, r1) of x_out and normed; the element types as template arguments, so the loops vectorise.
 template <typename X, typename Delta, bool kAdd>
 void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, float eps, int64_t H, float* x_out,
                        uint16_t* normed, int64_t r0, int64_t r1) {
+  using jaxserve_native::bf16_to_f32;
   const float inv_h = 1.0f / static_cast<float>(H);   // XLA divides a mean by its count as a multiply
   for (int64_t r = r0; r < r1; ++r) {
     float* row = x_out + r * H;
@@ -227,12 +213,9 @@ void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, f
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) {
       float v;
-      if constexpr (sizeof(X) == 2) v = bf16_bits_to_f32(xr[i]);
+      if constexpr (sizeof(X) == 2) v = bf16_to_f32(xr[i]);   // the residual: bf16 (the embedding) or float32
       else v = xr[i];
-      if constexpr (kAdd) {
-        if constexpr (sizeof(Delta) == 2) v += bf16_bits_to_f32(dr[i]);
-        else v += bf16_bits_to_f32(round_to_bf16(bits_of(dr[i])));
-      }
+      if constexpr (kAdd) v += bf16_to_f32(static_cast<uint16_t>(bf16_bits(dr[i])));   // delta rounded
       row[i] = v;
     }
     float lanes[16] = {};
@@ -247,8 +230,8 @@ void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, f
     uint16_t* out = normed + r * H;
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) {
-      const float n = bf16_bits_to_f32(round_to_bf16(bits_of(row[i] * scale)));
-      out[i] = static_cast<uint16_t>(round_to_bf16(bits_of(n * bf16_bits_to_f32(weight[i]))));
+      const float n = bf16_to_f32(static_cast<uint16_t>(bf16_bits(row[i] * scale)));
+      out[i] = static_cast<uint16_t>(bf16_bits(n * bf16_to_f32(weight[i])));
     }
   }
 }
