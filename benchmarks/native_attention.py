@@ -1,15 +1,17 @@
-"""The native CPU attention kernel alone, one layer, with and without folding shared pages 16 rows at a time.
+"""The native CPU attention kernel alone, one layer: shared pages folded 16 rows at a time or not; AMX tiles or not.
 
 Times `native_cpu.paged_context_native` on the default model's attention shapes (9 q heads,
-3 KV heads, head_dim 64, pages of 16) in one process, the two settings of `min_lane_fill`
-alternating call by call (medians; this machine is noisy), and checks that both give the same
-numbers bit for bit. Cases:
+3 KV heads, head_dim 64, pages of 16) in one process, two settings alternating call by call
+(medians; this machine is noisy): `--compare lanes` (default) the two settings of
+`min_lane_fill`, checking that both give the same numbers bit for bit; `--compare amx`
+(bfloat16) the vector folds against the AMX tiles, printing the largest difference of the
+outputs (the tiles round the softmax weights to bf16). Cases:
 - shared: 32 decodes over one 1,024-token prefix, each with 80 tokens of its own (context 1,104);
 - decodes: 64 decodes of 256 tokens, no page shared;
 - prefill: one 512-token chunk after 256 cached tokens (blocks of 16 queries);
 - mixed: the shared case's decodes next to a 128-token prefill.
 
-    python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40] [--cold]
+    python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40] [--cold] [--compare lanes|amx]
 """
 
 from __future__ import annotations
@@ -56,22 +58,32 @@ def main():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--min-lane-fill", type=int, default=native_cpu.MIN_LANE_FILL)
+    p.add_argument("--compare", choices=["lanes", "amx"], default="lanes")
     p.add_argument("--cold", action="store_true",
                    help="evict the caches before each call (the step's weights do, between layers)")
     args = p.parse_args()
     assert native_cpu.available(), "the native kernel does not build here"
+    if args.compare == "amx" and not (args.dtype == "bfloat16" and native_cpu.gemm_amx()):
+        p.error("--compare amx needs --dtype bfloat16 and a CPU with AMX tiles")
     evict = np.zeros(16 << 20, np.float32)
+    settings = ({"min_lane_fill": 0}, {"min_lane_fill": args.min_lane_fill}) if args.compare == "lanes" else (
+        {"amx": False}, {"amx": True})
+    names = ("lanes off", "lanes on") if args.compare == "lanes" else ("vector", "AMX")
     print(f"native attention, one layer, {args.dtype} pool, {jax.device_count()} device, reps {args.reps}")
-    print(f"{'case':<8} {'lanes off ms':>13} {'lanes on ms':>12} {'ratio':>6}  same bits")
+    print(f"{'case':<8} {names[0] + ' ms':>13} {names[1] + ' ms':>12} {'ratio':>6}  "
+          f"{'same bits' if args.compare == 'lanes' else 'max |diff|'}")
     for seed, (name, (seqs, shared)) in enumerate(CASES.items()):
         q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, seed)
         fns = {}
-        for lanes in (0, args.min_lane_fill):
-            fns[lanes] = jax.jit(lambda q, pool, tables, ctx, qsl, lanes=lanes: native_cpu.paged_context_native(
+        for i, setting in enumerate(settings):
+            fns[i] = jax.jit(lambda q, pool, tables, ctx, qsl, setting=setting: native_cpu.paged_context_native(
                 q, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.dtype(args.dtype), max_q_len=q.shape[0],
-                sliding_window=None, soft_cap=None, q_bf16=args.dtype == "bfloat16", min_lane_fill=lanes))
+                sliding_window=None, soft_cap=None, q_bf16=args.dtype == "bfloat16", **setting))
         outs = {k: jax.block_until_ready(f(q, pool, tables, ctx, qsl)) for k, f in fns.items()}
-        same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
+        if args.compare == "lanes":
+            same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
+        else:
+            same = f"{float(np.max(np.abs(np.asarray(outs[0][0]) - np.asarray(outs[1][0])))):.2e}"
         times = {k: [] for k in fns}
         for _ in range(args.reps):
             for k, f in fns.items():

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("paged_context.cc", "matvec.cc", "gemm.cc", "step_ops.cc"))
-HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("bits.h", "parallel.h", "simd.h"))
+HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("amx.h", "bits.h", "parallel.h", "simd.h"))
 TARGET = "jaxserve_paged_context"
 MATVEC_TARGET = "jaxserve_matvec"
 GEMM_TARGET = "jaxserve_gemm"
@@ -175,6 +175,14 @@ def lane_block_pages() -> int:
     return int(fn())
 
 
+def amx_attention_folds() -> int:
+    """Blocks of up to 16 query rows times 16 keys the attention kernel has folded on AMX tiles since
+    it loaded: how the tests see that path ran. Call `available()` first."""
+    fn = _load().JaxserveAmxAttentionFolds
+    fn.restype = ctypes.c_int64
+    return int(fn())
+
+
 def gemm_available() -> bool:
     """True when `matmul` can run here: the kernels loaded and were built with AVX-512 BF16."""
     return available() and bool(_load().JaxserveGemmSupported())
@@ -199,7 +207,7 @@ def prefill_enabled() -> bool:
 
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                          bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None,
-                         q_bf16: bool = False, min_lane_fill: int | None = None):
+                         q_bf16: bool = False, min_lane_fill: int | None = None, amx: bool | None = None):
     """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
     included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
@@ -210,7 +218,10 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     runs of a group that share pool pages (a prefix; a prefill block's rows share every page)
     fold those pages 16 query rows at a time when their rows fill the 16-row blocks with at
     least this many on average; 0 never. The numbers are the same either way (None:
-    `lane_fill_setting()`). Returns (out
+    `lane_fill_setting()`). `amx` (None: `attention_amx()`): a bf16 q (`q_bf16`) against a bf16
+    pool with head dim 64 or 128, pages of a multiple of 16 keys and no soft cap runs on AMX
+    tiles, where the CPU has them: scores and P x V from `tdpbf16ps`, the softmax weights
+    rounded to bf16 for P x V (as HF's and vLLM's bf16 attention have them). Returns (out
     [T, QH, D], lse [T, QH]) float32; rows of other sequences are (0, -inf). Call `available()` first.
     """
     num_tokens, num_q_heads, head_dim = qs.shape
@@ -224,7 +235,13 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(lane_fill_setting(min_lane_fill)))
+                q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(lane_fill_setting(min_lane_fill)),
+                amx=np.int64(attention_amx() if amx is None else bool(amx)))
+
+
+def attention_amx() -> bool:
+    """bf16 attention runs on AMX tiles (`gemm_amx()`; JAXSERVE_AMX_ATTENTION=0 keeps the vector folds)."""
+    return os.environ.get("JAXSERVE_AMX_ATTENTION", "1") != "0" and gemm_amx()
 
 
 MIN_LANE_FILL = 10   # fewer rows per 16-row block fold faster one by one (benchmarks/RESULTS.md)

@@ -79,15 +79,16 @@ def ragged_paged_attention_cpu(
                                        native=bool(native),
                                        # a bf16 q times a power-of-two scale is still a bf16 exactly
                                        q_bf16=q.dtype == jnp.bfloat16 and math.frexp(sm_scale)[0] == 0.5,
-                                       min_lane_fill=native_cpu.lane_fill_setting())
+                                       min_lane_fill=native_cpu.lane_fill_setting(),
+                                       amx=bool(native) and native_cpu.attention_amx())
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "q_block", "query_tile", "kv_pages_per_chunk", "decode_query_len",
-    "decode_seq_tile", "native", "q_bf16", "min_lane_fill"))
+    "decode_seq_tile", "native", "q_bf16", "min_lane_fill", "amx"))
 def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                                 sm_scale, sliding_window, soft_cap, q_block, query_tile, kv_pages_per_chunk,
-                                decode_query_len, decode_seq_tile, native, q_bf16, min_lane_fill):
+                                decode_query_len, decode_seq_tile, native, q_bf16, min_lane_fill, amx):
     check_ragged_paged_attention_inputs(
         q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -117,7 +118,7 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
             qs[:num_tokens].reshape(num_tokens, num_q_heads, head_dim), kv_cache, block_tables, context_lens,
             query_start_loc, num_seqs, bits_dtype=q.dtype, max_q_len=num_tokens,
             sliding_window=sliding_window, soft_cap=soft_cap, q_bf16=q_bf16,
-            min_lane_fill=min_lane_fill)
+            min_lane_fill=min_lane_fill, amx=amx)
         return out.astype(q.dtype)
     if native and decode_query_len > 0:
         # Short runs (decodes) read their whole context natively (the pool holds this step's
@@ -127,7 +128,7 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
             qs[:num_tokens].reshape(num_tokens, num_q_heads, head_dim), kv_cache, block_tables, context_lens,
             query_start_loc, num_seqs, bits_dtype=q.dtype, max_q_len=decode_query_len,
             sliding_window=sliding_window, soft_cap=soft_cap, q_bf16=q_bf16,
-            min_lane_fill=min_lane_fill)
+            min_lane_fill=min_lane_fill, amx=amx)
         rows = ((0, padded - num_tokens), (0, 0), (0, 0))
         parts.append((jnp.pad(out.reshape(num_tokens, *qs.shape[1:]), rows + ((0, 0),)),
                       jnp.pad(lse.reshape(num_tokens, *qs.shape[1:-1]), rows, constant_values=-jnp.inf)))

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -347,8 +348,8 @@ void panel_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int6
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
-#include <sys/syscall.h>
-#include <unistd.h>
+using jaxserve_native::amx_permitted;
+using jaxserve_native::TileConfig;
 
 constexpr int64_t MR_AMX = 32;
 // Columns per AMX panel: a weight's rows are read in 512-byte pieces. With few rows the packing
@@ -357,29 +358,10 @@ constexpr int64_t MR_AMX = 32;
 // 60-63 ms. The engine's own bf16 projections come pre-packed (panel_amx_packed): no packing.
 constexpr int64_t NR_AMX = 256;
 
-// Linux hands out AMX tile state only to processes that ask for it (once, for every thread).
-bool amx_permitted() {
-  static const bool ok = [] {
-    const char* env = std::getenv("JAXSERVE_AMX");
-    if (env != nullptr && env[0] == '0') return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure_tiles() {   // tiles 0-3: sums; 4-5: x; 6-7: weights; each 16 rows of 64 bytes
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
+  jaxserve_native::load_tile_config(cfg);
 }
 
 // c[0:32, 0:32] (+)= a[0:32, 0:kc] times the panel's k pairs [0, kc/2) at columns b (row
@@ -468,7 +450,7 @@ void configure_tiles_rows(int64_t rows) {
   cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rest;
   cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = rest ? 64 : 0;
   cfg.rows[6] = cfg.rows[7] = 16;
-  _tile_loadconfig(&cfg);
+  jaxserve_native::load_tile_config(cfg);
 }
 
 // Sums of a finished 32 x 32 block (in L1), to be rounded into bfloat16 results.

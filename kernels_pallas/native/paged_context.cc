@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "bits.h"
 #include "parallel.h"
 #include "simd.h"
@@ -75,8 +76,10 @@ inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
-// 16-row blocks times pages folded by `fold_lanes16` since the library loaded (for the tests).
+// 16-row blocks times pages folded by `fold_lanes16` (or shared pages folded on the tiles) and
+// blocks times 16 keys folded on AMX tiles, since the library loaded (for the tests).
 std::atomic<int64_t> lane_block_pages{0};
+std::atomic<int64_t> amx_folds{0};
 
 // A finite stand-in for -inf: masked scores and empty rows (exp of it underflows to 0).
 constexpr float kMasked = -1e30f;
@@ -133,6 +136,7 @@ struct Problem {
   float soft_cap;
   bool q_bf16;              // q holds bfloat16 values exactly
   int64_t min_lane_fill;    // fold shared pages 16 rows at a time when that fills lanes this well (0: never)
+  bool amx;                 // every fold on AMX tiles (attend_amx)
 };
 
 constexpr int64_t kSeqGroup = 16;    // short runs walked page by page together (see `attend`)
@@ -152,12 +156,32 @@ struct LaneBlock {
   int64_t lanes;
 };
 
+// attend_amx's (below)
+struct AmxBlock {                     // up to 16 query rows reading the same pages, one per lane
+  alignas(64) uint32_t q[64 * 16];    // [kD / 2][16]: the rows' q as bf16 pairs (head dims up to 128)
+  alignas(64) float acc[16 * 128];    // [16][kD] the rows' sums (amx_col order)
+  alignas(64) float m[16], l[16];     // the rows' running max and sum
+  alignas(64) int32_t pos[16];        // query positions (-1: no row)
+  float *run_m[16], *run_l[16], *run_acc[16];   // where each row's state lives in its run
+  int64_t n;
+};
+
+struct AmxScratch {                   // per thread
+  alignas(64) float S[16 * 16];       // scores [key][lane]
+  alignas(64) uint16_t P[16 * 16];    // bf16 weights [lane][key]
+  alignas(64) float pv[8 * 256];      // P V [kD / 16][lane][16]
+  alignas(64) uint32_t vp[8 * 128];   // V's key pairs [8][kD] (amx_col order)
+  alignas(64) float alpha[16];
+  std::vector<AmxBlock> blocks;
+};
+
 struct Scratch {  // per thread, kept between calls
   std::vector<float> kbuf, vbuf, m, l, acc, scores;
   std::vector<float> row_weights, row_alpha;   // `fold_page16`: a run's rows' weights of 16 keys, rescales
   std::vector<int64_t> active_rows;           // and which rows see a key of the 16
   std::vector<float> lanes;        // rows folded 16 at a time (`fold_lanes16`): per block q, acc, m, l
   std::vector<LaneBlock> blocks;
+  std::unique_ptr<AmxScratch> amx;   // attend_amx's, made on first use
   Scratch(const Problem& pr, int64_t max_rows)
       : kbuf(pr.BS * pr.D), vbuf(pr.BS * pr.D), m(kSeqGroup * max_rows), l(kSeqGroup * max_rows),
         acc(kSeqGroup * max_rows * pr.D), scores(pr.BS), row_weights(16 * max_rows), row_alpha(max_rows),
@@ -562,6 +586,52 @@ __attribute__((noinline)) void fold_lanes16(const Problem& pr, LaneBlock& b, con
 }
 #endif
 
+// The pages to fold for several runs' rows together: those that runs read whole from the same
+// pool blocks from the first page of the group's most common first block (the anchor) on, as
+// many and as far as gives the most row-pages, where the runs' rows fill 16-row blocks with at
+// least `min_fill` rows on average. `shared[i]`: pages from `lo` run i reads whole from the
+// anchor's blocks (it is taken when that is at least end - lo). end == lo: nothing to fold.
+struct SharedSpan {
+  int64_t anchor = 0, lo = 0, end = 0, rows = 0;   // rows: those of the runs taken
+  int64_t shared[kSeqGroup] = {};
+};
+
+inline SharedSpan shared_span(const Problem& pr, const Run* runs, int64_t n, int64_t min_fill) {
+  SharedSpan span;
+  if (n == 0) return span;
+  const int64_t BS = pr.BS;
+  auto table = [&](const Run& run, int64_t p) { return pr.tables[run.s * pr.MB + p]; };
+  int64_t most = 0;
+  for (int64_t a = 0; a < n; ++a) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i)
+      count += runs[i].first_page == runs[a].first_page &&
+               table(runs[i], runs[i].first_page) == table(runs[a], runs[a].first_page);
+    if (count > most) { most = count; span.anchor = a; }
+  }
+  const Run& anchor = runs[span.anchor];
+  const int64_t lo = anchor.first_page;
+  for (int64_t i = 0; i < n; ++i) {
+    const Run& run = runs[i];
+    int64_t p = lo;
+    if (run.first_page == lo)
+      while (p < run.last_page && p < anchor.last_page && (p + 1) * BS <= run.limit && table(run, p) == table(anchor, p))
+        ++p;
+    span.shared[i] = p - lo;
+  }
+  int64_t best_pages = 0;
+  for (int64_t c = 0; c < n; ++c) {   // candidate: fold the first shared[c] pages of the runs sharing that many
+    const int64_t pages = span.shared[c];
+    int64_t taken = 0;
+    for (int64_t i = 0; i < n; ++i) taken += span.shared[i] >= pages ? runs[i].rows : 0;
+    if (pages == 0 || taken < min_fill * ((taken + 15) / 16)) continue;
+    if (taken * pages > span.rows * best_pages) { span.rows = taken; best_pages = pages; }
+  }
+  span.lo = lo;
+  span.end = lo + best_pages;
+  return span;
+}
+
 #ifdef __AVX512F__
 // Folds the pages that several of the group's runs read whole from the same pool blocks (a
 // shared prefix; every full page of a prefill block) for all their rows 16 at a time
@@ -579,38 +649,11 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
   const bool bf16_scores = false;
 #endif
   if (pr.min_lane_fill <= 0 || n == 0 || pr.soft_cap > 0.0f) return;
-  auto table = [&](const Run& run, int64_t p) { return pr.tables[run.s * pr.MB + p]; };
-  // the anchor: a run whose first page's block starts the most runs
-  int64_t anchor = 0, most = 0;
-  for (int64_t a = 0; a < n; ++a) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; ++i)
-      count += runs[i].first_page == runs[a].first_page &&
-               table(runs[i], runs[i].first_page) == table(runs[a], runs[a].first_page);
-    if (count > most) { most = count; anchor = a; }
-  }
-  const int64_t lo = runs[anchor].first_page;
-  int64_t shared[kSeqGroup];   // pages from lo each run reads whole from the anchor's blocks
-  for (int64_t i = 0; i < n; ++i) {
-    const Run& run = runs[i];
-    int64_t p = lo;
-    if (run.first_page == lo)
-      while (p < run.last_page && p < runs[anchor].last_page && (p + 1) * BS <= run.limit &&
-             table(run, p) == table(runs[anchor], p))
-        ++p;
-    shared[i] = p - lo;
-  }
-  int64_t best_pages = 0, rows = 0;   // rows: those of the runs sharing best_pages pages
-  for (int64_t c = 0; c < n; ++c) {   // candidate: fold the first shared[c] pages of the runs sharing that many
-    const int64_t pages = shared[c];
-    int64_t taken = 0;
-    for (int64_t i = 0; i < n; ++i) taken += shared[i] >= pages ? runs[i].rows : 0;
-    if (pages == 0 || taken < pr.min_lane_fill * ((taken + 15) / 16)) continue;
-    if (taken * pages > rows * best_pages) { rows = taken; best_pages = pages; }
-  }
-  if (best_pages == 0) return;
-  const int64_t end = lo + best_pages;
-  if ((rows + 15) / 16 > static_cast<int64_t>(w.blocks.size())) return;
+  const SharedSpan span = shared_span(pr, runs, n, pr.min_lane_fill);
+  const int64_t lo = span.lo, end = span.end, rows = span.rows, anchor = span.anchor;
+  const int64_t* shared = span.shared;
+  const int64_t best_pages = end - lo;
+  if (best_pages == 0 || (rows + 15) / 16 > static_cast<int64_t>(w.blocks.size())) return;
   const int64_t QH = pr.QH, G = pr.G, num_blocks = (rows + 15) / 16;
   LaneBlock* blocks = w.blocks.data();
   for (int64_t bi = 0, i = 0, r = 0; bi < num_blocks; ++bi) {
@@ -686,6 +729,288 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- On AMX tiles (a bf16 q against a bf16 pool, `amx` set) ----
+//
+// Blocks of up to 16 query rows that read the same pages (a run's rows; the rows of several runs
+// over the pages they share), 16 keys at a time: the scores S = K Q^T come from `tdpbf16ps` with
+// the K page as it lies as the first operand and the block's q as bf16 pairs (row = lane) as the
+// second; each row's online softmax runs as in fold_page16 (keys in lanes); its weights are
+// rounded to bf16 (as HF's and vLLM's bf16 attention have them) and P V comes from `tdpbf16ps`
+// with V's key pairs interleaved. Every row of every item takes this one path (no other fold
+// runs when it is on), so a row's bits do not depend on its block, group or batch; the tiles'
+// sums do not depend on the other rows of a tile.
+
+// V's 32-column pieces are interleaved key pair by key pair with unpacklo/hi (per 128-bit lane),
+// so the output columns come in this order: position dp of the sums holds column amx_col(dp).
+inline int64_t amx_col(int64_t dp) { return 32 * (dp / 32) + 8 * ((dp % 16) / 4) + dp % 4 + 4 * ((dp % 32) / 16); }
+
+// tiles: 0 scores, 1 K (16 keys x 32 columns), 2 q pairs, 3 P (16 rows x 16 keys), 4 V pairs
+// (8 key pairs x 16 columns), 5-6 P V sums
+inline void amx_attention_tiles() {
+  jaxserve_native::TileConfig cfg;
+  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  cfg.colsb[3] = 32;
+  cfg.rows[4] = 8;
+  jaxserve_native::load_tile_config(cfg);
+}
+
+inline void amx_block_start(AmxBlock& b) {
+  b.n = 0;
+  std::fill(b.q, b.q + 64 * 16, 0u);
+  std::fill(b.pos, b.pos + 16, -1);   // no key is at or before it
+  std::fill(b.m, b.m + 16, kMasked);
+  std::fill(b.l, b.l + 16, 0.0f);
+}
+
+// Row r of `run` (KV head h), with its state so far, into the block's next lane.
+template <int64_t kD>
+inline void amx_block_add(const Problem& pr, AmxBlock& b, Run& run, int64_t r, int64_t h) {
+  const int64_t j = r / pr.G, g = r % pr.G, lane = b.n++;
+  const float* qrow = pr.q + ((run.start + j) * pr.QH + h * pr.G + g) * kD;
+  for (int64_t c = 0; c < kD / 2; ++c) {   // exact: q's values are bf16
+    uint32_t even, odd;
+    std::memcpy(&even, qrow + 2 * c, sizeof even);
+    std::memcpy(&odd, qrow + 2 * c + 1, sizeof odd);
+    b.q[c * 16 + lane] = even >> 16 | (odd & 0xFFFF0000u);
+  }
+  b.pos[lane] = static_cast<int32_t>(run.pos0 + j);
+  b.run_m[lane] = run.m + r;
+  b.run_l[lane] = run.l + r;
+  b.run_acc[lane] = run.acc + r * kD;
+  b.m[lane] = run.m[r];
+  b.l[lane] = run.l[r];
+  std::copy(run.acc + r * kD, run.acc + (r + 1) * kD, b.acc + lane * kD);
+}
+
+// The block's rows' state back into their runs.
+template <int64_t kD>
+inline void amx_block_finish(AmxBlock& b) {
+  for (int64_t i = 0; i < b.n; ++i) {
+    *b.run_m[i] = b.m[i];
+    *b.run_l[i] = b.l[i];
+    std::copy(b.acc + i * kD, b.acc + (i + 1) * kD, b.run_acc[i]);
+  }
+}
+
+// 16 keys of V ([16][kD] bf16 rows) as key pairs: vp[i][dp] = (v[2i][c], v[2i + 1][c]), c = amx_col(dp);
+// keys from `nkeys` on are zeros (beyond a run's last key the page holds whatever was there).
+// With each pair, `lines` lines of the next K and V pages (nk, nv; none when null) from line0 + i lines.
+template <int64_t kD>
+inline void amx_v_pairs(const uint16_t* v, int64_t nkeys, uint32_t* vp, const char* nk, const char* nv, int64_t line0,
+                        int64_t lines) {
+  #pragma GCC unroll 8
+  for (int64_t i = 0; i < 8; ++i) {
+    if (nk != nullptr) prefetch_pages_l2(nk, nv, line0 + i * lines, line0 + (i + 1) * lines);
+    #pragma GCC unroll 4
+    for (int64_t c = 0; c < kD; c += 32) {
+      const __m512i a = 2 * i < nkeys ? _mm512_loadu_si512(v + 2 * i * kD + c) : _mm512_setzero_si512();
+      const __m512i b = 2 * i + 1 < nkeys ? _mm512_loadu_si512(v + (2 * i + 1) * kD + c) : _mm512_setzero_si512();
+      _mm512_store_si512(vp + i * kD + c, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(vp + i * kD + c + 16, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// The rows' weights as 8 x 16 key pairs ([pair][lane] words) into P's [lane][pair] rows.
+inline void amx_transpose_pairs(const __m512i p[8], uint16_t* P) {
+  __m512i t[8], u[8];
+  #pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]);
+  }
+  #pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {   // u[4i + c]: pairs 4i .. 4i + 3 of lanes 4l + c (128-bit piece l)
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  #pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {   // lanes c, 4 + c (pieces 0, 1) and 8 + c, 12 + c (pieces 2, 3)
+    const __m512i lo = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i hi = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i a = _mm512_shuffle_i32x4(lo, lo, _MM_SHUFFLE(3, 1, 2, 0));
+    const __m512i b = _mm512_shuffle_i32x4(hi, hi, _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(P + 16 * c), _mm512_castsi512_si256(a));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(P + 16 * (4 + c)), _mm512_extracti64x4_epi64(a, 1));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(P + 16 * (8 + c)), _mm512_castsi512_si256(b));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(P + 16 * (12 + c)), _mm512_extracti64x4_epi64(b, 1));
+  }
+}
+
+// Rows at least this many fold with rows in lanes (no gather, no per-row reductions); fewer
+// one by one. The same operations per row in the same order either way, so the same bits.
+constexpr int64_t kAmxLaneRows = 8;
+
+// Folds 16 keys from key0 (k: their [16][kD] bf16 rows; V's pairs already in s.vp; nkeys of them
+// exist) into block b's rows.
+template <int64_t kD>
+void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const uint16_t* k, int64_t key0, int64_t nkeys) {
+  _tile_zero(0);
+  #pragma GCC unroll 4
+  for (int64_t c = 0; c < kD; c += 32) {
+    _tile_loadd(1, k + c, kD * 2);
+    _tile_loadd(2, b.q + 8 * c, 64);   // k pairs c / 2 .. c / 2 + 15
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, s.S, 64);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int32_t window = static_cast<int32_t>(pr.sliding_window);
+  bool any = false;
+  if (b.n >= kAmxLaneRows) {   // rows in lanes: S's rows are each key's scores
+    const __m512i pos = _mm512_load_si512(b.pos);
+    const __m512i window_lo = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
+    const __m512 masked = _mm512_set1_ps(kMasked);
+    __m512 sc[16];
+    __mmask16 valid[16];
+    __m512 page_max = masked;
+    #pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
+      valid[t] = t < nkeys ? _mm512_cmple_epi32_mask(key, pos) : __mmask16(0);
+      if (window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
+      sc[t] = _mm512_load_ps(s.S + 16 * t);
+      page_max = _mm512_mask_max_ps(page_max, valid[t], page_max, sc[t]);
+    }
+    const __mmask16 seen = _mm512_cmp_ps_mask(page_max, masked, _CMP_NEQ_OQ);   // rows with a visible key
+    if (!seen) return;
+    any = true;
+    const __m512 m_old = _mm512_load_ps(b.m), m_new = _mm512_max_ps(m_old, page_max);
+    __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ),
+                                      fast_exp16(_mm512_sub_ps(m_old, m_new)));
+    alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(m_old, masked, _CMP_EQ_OQ), _mm512_setzero_ps());
+    __m512 e[16];
+    #pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) e[t] = _mm512_maskz_mov_ps(valid[t], fast_exp16(_mm512_sub_ps(sc[t], m_new)));
+    _mm512_store_ps(b.l, _mm512_mask_mov_ps(_mm512_load_ps(b.l), seen,
+                                            _mm512_fmadd_ps(_mm512_load_ps(b.l), alpha, sum16_vertical(e))));
+    _mm512_store_ps(b.m, _mm512_mask_mov_ps(m_old, seen, m_new));
+    _mm512_store_ps(s.alpha, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), seen, alpha));   // -1: nothing to add
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i pairs[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      pairs[i] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[2 * i + 1], e[2 * i]));
+    amx_transpose_pairs(pairs, s.P);
+  } else {   // row by row: each row's scores (a column of S) in lanes
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(key0)), iota);
+    const __m512i column = _mm512_slli_epi32(iota, 4);   // S[t][lane] at t * 16 + lane
+    const __mmask16 in_page = jaxserve_native::tail_mask(nkeys);
+    for (int64_t i = 0; i < b.n; ++i) {
+      __mmask16 valid = in_page & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(b.pos[i]));
+      if (window > 0) valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(b.pos[i] - window));
+      __m256i weights = _mm256_setzero_si256();
+      float alpha = -1.0f;   // nothing to add
+      if (valid) {
+        const __m512 scores = _mm512_i32gather_ps(column, s.S + i, 4);
+        const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
+        const float m_old = b.m[i], m_new = std::max(m_old, page_max);
+        alpha = m_old == kMasked ? 0.0f : m_new == m_old ? 1.0f : exp_lane0(m_old - m_new);
+        const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+        b.l[i] = std::fma(b.l[i], alpha, sum16(e));
+        b.m[i] = m_new;
+        weights = (__m256i)_mm512_cvtneps_pbh(e);
+        any = true;
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s.P + 16 * i), weights);
+      s.alpha[i] = alpha;
+    }
+  }
+  if (!any) return;
+  _tile_loadd(3, s.P, 32);
+  #pragma GCC unroll 4
+  for (int64_t c = 0; c < kD; c += 32) {   // two sum tiles in turn
+    _tile_zero(5);
+    _tile_loadd(4, s.vp + c, kD * 4);
+    _tile_dpbf16ps(5, 3, 4);
+    _tile_zero(6);
+    _tile_loadd(4, s.vp + c + 16, kD * 4);
+    _tile_dpbf16ps(6, 3, 4);
+    _tile_stored(5, s.pv + 16 * c, 64);
+    _tile_stored(6, s.pv + 16 * (c + 16), 64);
+  }
+  for (int64_t i = 0; i < b.n; ++i) {
+    if (s.alpha[i] < 0.0f) continue;
+    const __m512 alpha = _mm512_set1_ps(s.alpha[i]);
+    float* acc = b.acc + i * kD;
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < kD; c += 16)
+      _mm512_store_ps(acc + c, _mm512_fmadd_ps(_mm512_load_ps(acc + c), alpha, _mm512_load_ps(s.pv + 16 * c + 16 * i)));
+  }
+}
+
+// Pages [p0, p1) of `run`'s table (KV head h) folded into blocks[0, nb), 16 keys at a time.
+template <int64_t kD>
+void amx_pages(const Problem& pr, AmxScratch& s, const Run& run, int64_t h, int64_t p0, int64_t p1, AmxBlock* blocks,
+               int64_t nb) {   // then the blocks' state back into their runs
+  const int64_t BS = pr.BS, page_elems = BS * kD, page_bytes = page_elems * 2;
+  const uint16_t* kv = static_cast<const uint16_t*>(pr.kv);
+  int64_t folds = 0;
+  for (int64_t p = p0; p < p1; ++p) {
+    // the next pages into L2 while this one computes, a few lines at a time (a burst of a whole
+    // page's prefetches fills the miss queue and stalls)
+    const char* base = static_cast<const char*>(pr.kv);
+    const char* nk = p + 1 < p1 ? base + pool_page(pr, run, 0, h, p + 1) * page_bytes : nullptr;
+    const char* nv = p + 1 < p1 ? base + pool_page(pr, run, 1, h, p + 1) * page_bytes : nullptr;
+    const int64_t lines = page_bytes / 64 / (BS / 16) / 8;   // per key pair of each 16 keys
+    const uint16_t* k = kv + pool_page(pr, run, 0, h, p) * page_elems;
+    const uint16_t* v = kv + pool_page(pr, run, 1, h, p) * page_elems;
+    for (int64_t sub = 0; sub < BS / 16; ++sub) {
+      const int64_t key0 = p * BS + 16 * sub, nkeys = std::min<int64_t>(16, run.limit - key0);
+      if (nkeys <= 0) break;
+      amx_v_pairs<kD>(v + 16 * sub * kD, nkeys, s.vp, nk, nv, 8 * lines * sub, lines);
+      for (int64_t bi = 0; bi < nb; ++bi) fold_amx<kD>(pr, blocks[bi], s, k + 16 * sub * kD, key0, nkeys);
+      folds += nb;
+    }
+  }
+  amx_folds.fetch_add(folds, std::memory_order_relaxed);
+  for (int64_t bi = 0; bi < nb; ++bi) amx_block_finish<kD>(blocks[bi]);
+}
+
+// `attend` on the tiles: the pages several runs share first, for all their rows together, then
+// each run's other pages for its own rows.
+template <int64_t kD>
+void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) {
+  AmxScratch& s = *w.amx;
+  amx_attention_tiles();
+  auto blocks_for = [&](int64_t rows) -> AmxBlock* {
+    const size_t need = static_cast<size_t>((rows + 15) / 16);
+    if (s.blocks.size() < need) s.blocks.resize(need);
+    return s.blocks.data();
+  };
+  // several runs share pages (min_lane_fill 0: never together, the A/B switch; the bits are the same)
+  const SharedSpan span = shared_span(pr, runs, n, 1);
+  if (pr.min_lane_fill > 0 && span.end > span.lo && span.rows > runs[span.anchor].rows) {
+    AmxBlock* blocks = blocks_for(span.rows);
+    int64_t nb = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (span.shared[i] < span.end - span.lo) continue;
+      for (int64_t r = 0; r < runs[i].rows; ++r) {
+        if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start(blocks[nb++]);
+        amx_block_add<kD>(pr, blocks[nb - 1], runs[i], r, h);
+      }
+      runs[i].next_page = span.end;
+    }
+    amx_pages<kD>(pr, s, runs[span.anchor], h, span.lo, span.end, blocks, nb);
+    lane_block_pages.fetch_add(nb * (span.end - span.lo), std::memory_order_relaxed);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    Run& run = runs[i];
+    if (run.next_page >= run.last_page) continue;
+    AmxBlock* blocks = blocks_for(run.rows);
+    int64_t nb = 0;
+    for (int64_t r = 0; r < run.rows; ++r) {
+      if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start(blocks[nb++]);
+      amx_block_add<kD>(pr, blocks[nb - 1], run, r, h);
+    }
+    amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, blocks, nb);
+  }
+}
+#endif
+
 // Rows of up to kSeqGroup sequences over KV head h, walked page index by page index: when
 // sequences share a prefix, their shared pages are read from memory once and from cache by
 // the others (cascade attention without a separate pass). kD: the head dim of the common
@@ -715,8 +1040,21 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
     hi = std::max(hi, r.last_page);
     ++n;
   }
+  bool amx_columns = false;   // the sums in amx_col order
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (kD == 64 || kD == 128) {
+    if (pr.amx) {
+      if (!w.amx) w.amx = std::make_unique<AmxScratch>();
+      attend_amx<kD>(pr, w, runs, n, h);
+      amx_columns = true;
+      lo = hi;   // every page folded
+    }
+  }
+#endif
 #ifdef __AVX512F__
-  if constexpr (kD > 0) fold_shared_pages<kD>(pr, w, runs, n, h);
+  if constexpr (kD > 0) {
+    if (!amx_columns) fold_shared_pages<kD>(pr, w, runs, n, h);
+  }
 #endif
   for (int64_t p = lo; p < hi; ++p)
     for (int64_t i = 0; i < n; ++i)
@@ -738,7 +1076,13 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
       const int64_t j = k / G, g = k % G;
       const int64_t row = (r.start + j) * QH + h * G + g;
       const float inv = 1.0f / r.l[k];
-      for (int64_t d = 0; d < D; ++d) pr.out[row * D + d] = r.acc[k * D + d] * inv;
+      if (amx_columns) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        for (int64_t d = 0; d < D; ++d) pr.out[row * D + amx_col(d)] = r.acc[k * D + d] * inv;
+#endif
+      } else {
+        for (int64_t d = 0; d < D; ++d) pr.out[row * D + d] = r.acc[k * D + d] * inv;
+      }
       pr.lse[row] = r.m[k] + std::log(r.l[k]);
     }
   }
@@ -748,16 +1092,21 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
-                            int64_t sliding_window, float soft_cap, int64_t q_bf16, int64_t min_lane_fill) {
+                            int64_t sliding_window, float soft_cap, int64_t q_bf16, int64_t min_lane_fill,
+                            int64_t amx) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
   Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
              query_start_loc.typed_data(), out->typed_data(), lse->typed_data(),
              qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
-             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill};
+             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill, false};
   if (kd[4] != pr.D || pr.QH % pr.KVH) return ffi::Error::InvalidArgument("q and kv shapes disagree");
   pr.G = pr.QH / pr.KVH;
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  pr.amx = amx != 0 && jaxserve_native::amx_permitted() && pr.bits_dtype == 1 && pr.q_bf16 && pr.soft_cap <= 0.0f &&
+           pr.BS % 16 == 0 && (pr.D == 64 || pr.D == 128);
+#endif
   const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
   std::fill(pr.out, pr.out + pr.T * pr.QH * pr.D, 0.0f);
   std::fill(pr.lse, pr.lse + pr.T * pr.QH, -std::numeric_limits<float>::infinity());
@@ -810,6 +1159,7 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 }  // namespace
 
 extern "C" int64_t JaxserveLaneBlockPages() { return lane_block_pages.load(std::memory_order_relaxed); }
+extern "C" int64_t JaxserveAmxAttentionFolds() { return amx_folds.load(std::memory_order_relaxed); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                               ffi::Ffi::Bind()
@@ -827,4 +1177,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("q_bf16")       // 1: q's values are bfloat16 exactly
-                                  .Attr<int64_t>("min_lane_fill"));  // rows per 16-lane block to fold shared pages so
+                                  .Attr<int64_t>("min_lane_fill")   // rows per 16-lane block to fold shared pages so
+                                  .Attr<int64_t>("amx"));           // 1: on AMX tiles where they apply

@@ -40,8 +40,9 @@ KNOBS = {
 
 
 def naive_attention(q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
-                    sm_scale, sliding_window=None, soft_cap=None):
-    """Float64 oracle: each query token gathers its keys one position at a time."""
+                    sm_scale, sliding_window=None, soft_cap=None, abs_values=False):
+    """Float64 oracle: each query token gathers its keys one position at a time. `abs_values`:
+    the softmax weights times |V| instead (how far rounding the weights can move each output)."""
     q = np.asarray(q, np.float64)
     cache = np.asarray(kv_cache, np.float64)
     num_heads, num_kv_heads, block_size = q.shape[1], cache.shape[1], cache.shape[3]
@@ -56,6 +57,8 @@ def naive_attention(q, kv_cache, block_tables, context_lens, query_start_loc, nu
             slots = [(block_tables[s][p // block_size], p % block_size) for p in range(lo, pos + 1)]
             keys = np.array([cache[0, :, block, offset] for block, offset in slots])  # [n, kv_heads, D]
             vals = np.array([cache[1, :, block, offset] for block, offset in slots])
+            if abs_values:
+                vals = np.abs(vals)
             for h in range(num_heads):
                 scores = sm_scale * keys[:, h // group] @ q[start + j, h]
                 if soft_cap is not None:

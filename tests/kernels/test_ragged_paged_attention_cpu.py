@@ -37,6 +37,21 @@ def run_cpu(args, **kw):
                                       *map(jnp.asarray, meta), sm_scale=SM_SCALE, **kw)
 
 
+def assert_matches_with_bf16_weights(got, q, cache, *meta, sm_scale, sliding_window=None):
+    """The AMX path rounds each softmax weight to bf16 before P x V (a relative error of at most
+    2^-9 each), so an output may move from the float64 oracle's by up to 2^-9 of the sum of
+    weights times |V| (the oracle's own, `abs_values`), plus float32 rounding."""
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    want = naive_attention(q, cache, *meta, **kw)
+    bound = 2.0 ** -9 * naive_attention(q, cache, *meta, abs_values=True, **kw)
+    query_start_loc, num_seqs = meta[2], meta[3]
+    T = int(query_start_loc[int(num_seqs)])   # rows of real tokens
+    got, want, bound = np.asarray(got)[:T], want[:T], bound[:T]
+    err = np.abs(got - want)
+    assert np.all(err <= bound + ATOL + RTOL * np.abs(want)), f"worst excess {np.max(err - bound):.3g}"
+    return err, bound
+
+
 @pytest.mark.parametrize("case, knobs", oracle_cases(CPU_KNOBS))
 def test_matches_naive_oracle(case, knobs):
     assert_matches_oracle(case, lambda args, **masking: run_cpu(args, **masking, **knobs))
@@ -204,12 +219,18 @@ def test_bf16_queries_dot_the_pages_as_they_lie(head_dim):
     scale = 2.0 ** -round(np.log2(head_dim) / 2)
     got = {flag: native_cpu.paged_context_native(jnp.asarray(q * scale), bits, *meta, bits_dtype=jnp.bfloat16,
                                                  max_q_len=q.shape[0], sliding_window=None, soft_cap=None,
-                                                 q_bf16=flag)[0] for flag in (False, True)}
+                                                 q_bf16=flag, amx=False)[0] for flag in (False, True)}
     want = naive_attention(q, np.asarray(cache.astype(jnp.float32)), *args[2:], sm_scale=scale)
     for flag in (False, True):
         np.testing.assert_allclose(np.asarray(got[flag]), want, rtol=1e-5, atol=1e-5)
     # the bf16 path ran (other summation order) in the 64/128 shapes; the generic shapes ignore the flag
     assert np.array_equal(np.asarray(got[True]), np.asarray(got[False])) == (head_dim not in (64, 128))
+    if native_cpu.attention_amx():   # the default here: on the tiles, the weights rounded to bf16
+        got[True] = native_cpu.paged_context_native(jnp.asarray(q * scale), bits, *meta, bits_dtype=jnp.bfloat16,
+                                                    max_q_len=q.shape[0], sliding_window=None, soft_cap=None,
+                                                    q_bf16=True)[0]
+        assert_matches_with_bf16_weights(got[True], q, np.asarray(cache.astype(jnp.float32)), *args[2:],
+                                         sm_scale=scale)
     # the model-facing entry point takes that path by itself for a bf16 q and a power-of-two scale
     k, v = (jnp.asarray(x, jnp.bfloat16) for x in step_kv(args))
     out = ragged_paged_attention_cpu(jnp.asarray(q, jnp.bfloat16), k, v, bits, *meta, sm_scale=scale, native=True)
@@ -259,17 +280,25 @@ def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, h
             bits_dtype=bits, max_q_len=q.shape[0], sliding_window=window, soft_cap=None,
             q_bf16=variant == "bf16_dot", min_lane_fill=fill))
 
-    before = native_cpu.lane_block_pages()
+    before, tiles_before = native_cpu.lane_block_pages(), native_cpu.amx_attention_folds()
     on = attend(q, tables, ctx, qsl, num_seqs, 10)
     assert native_cpu.lane_block_pages() > before   # the lane path ran
+    # a bf16 q against a bf16 pool takes the AMX tiles where the CPU has them (rows in lanes for
+    # blocks of 8+ rows, one by one below: a lone decode's 3 rows, checked against the lanes below)
+    tiles = variant == "bf16_dot" and native_cpu.attention_amx()
+    assert (native_cpu.amx_attention_folds() > tiles_before) == tiles
     off_before = native_cpu.lane_block_pages()
     off = attend(q, tables, ctx, qsl, num_seqs, 0)
     assert native_cpu.lane_block_pages() == off_before
     for a, b in zip(on, off):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    want = naive_attention(q, cache, tables, ctx, qsl, num_seqs, sm_scale=scale, sliding_window=window)
     T = int(qsl[num_seqs])
-    np.testing.assert_allclose(np.asarray(on[0])[:T], want[:T], rtol=RTOL, atol=ATOL)
+    if variant == "bf16_dot" and native_cpu.attention_amx():   # on the tiles: the weights rounded to bf16
+        assert_matches_with_bf16_weights(np.asarray(on[0])[:T], q, cache, tables, ctx, qsl, num_seqs,
+                                         sm_scale=scale, sliding_window=window)
+    else:
+        want = naive_attention(q, cache, tables, ctx, qsl, num_seqs, sm_scale=scale, sliding_window=window)
+        np.testing.assert_allclose(np.asarray(on[0])[:T], want[:T], rtol=RTOL, atol=ATOL)
     for s in range(int(num_seqs)):   # each sequence alone, in slot 0
         lo, hi = int(qsl[s]), int(qsl[s + 1])
         alone = attend(q[lo:hi], tables[s:s + 1], ctx[s:s + 1], np.array([0, hi - lo], np.int32), 1, 10)
@@ -281,3 +310,38 @@ def test_min_lane_fill_is_checked():
         native_cpu.lane_fill_setting(17)
     with pytest.raises(ValueError, match="min_lane_fill must be in 0..16"):
         native_cpu.lane_fill_setting(-1)
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
+@pytest.mark.parametrize("variant", ["float32", "bf16_pool", "bf16_dot"])
+def test_stale_pool_contents_past_a_runs_last_key_stay_out(variant):
+    """A run's last page holds whatever an earlier owner left past its last key (inf, NaN): those
+    slots are never read into its rows, whichever path folds them (the tiles multiply whole pages:
+    their V rows past the last key must be zeros, not 0 x inf)."""
+    if variant == "bf16_dot" and not native_cpu.gemm_available():
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    seqs = [(21, 1), (70, 1), (37, 17), (5, 5), (100, 3)]
+    q, cache, tables, ctx, qsl, num_seqs = make_batch(seqs, block_size=16, head_dim=64, num_blocks=40,
+                                                      max_blocks=7, num_kv_heads=3, group=3)
+    bf16 = variant != "float32"
+    if bf16:
+        cache = np.asarray(jnp.asarray(cache, jnp.bfloat16).astype(jnp.float32))
+    if variant == "bf16_dot":
+        q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    stale = cache.copy()
+    for s, c in enumerate(ctx[:num_seqs]):
+        block, offset = tables[s, (c - 1) // 16], (c - 1) % 16 + 1
+        stale[0, :, block, offset:] = np.nan
+        stale[1, :, block, offset:] = np.inf
+    results = []
+    for pool in (cache, stale):
+        bits = jnp.asarray(np.asarray(jnp.asarray(pool, jnp.bfloat16)).view(np.uint16)) if bf16 else jnp.asarray(pool)
+        out, lse = native_cpu.paged_context_native(
+            jnp.asarray(q * 0.125), bits, *map(jnp.asarray, (tables, ctx, qsl)), num_seqs,
+            bits_dtype=jnp.bfloat16 if bf16 else jnp.float32, max_q_len=q.shape[0], sliding_window=None,
+            soft_cap=None, q_bf16=variant == "bf16_dot")
+        results.append((np.asarray(out), np.asarray(lse)))
+    T = int(qsl[num_seqs])
+    assert np.all(np.isfinite(results[1][0][:T])) and np.all(np.isfinite(results[1][1][:T]))
+    for clean, dirty in zip(*results):
+        np.testing.assert_array_equal(dirty, clean)
