@@ -167,10 +167,10 @@ struct AmxBlock {                     // up to 16 query rows reading the same pa
 };
 
 struct AmxScratch {                   // per thread
-  alignas(64) float S[16 * 16];       // scores [key][lane]
+  alignas(64) float S[2][16 * 16];    // scores [key][lane], two folds' in turn (see amx_pages)
   alignas(64) uint16_t P[16 * 16];    // bf16 weights [lane][key]
   alignas(64) float pv[8 * 256];      // P V [kD / 16][lane][16]
-  alignas(64) uint32_t vp[8 * 128];   // V's key pairs [8][kD] (amx_col order)
+  alignas(64) uint32_t vp[2][8 * 128];   // V's key pairs [8][kD] (amx_col order), two 16-key pieces' in turn
   alignas(64) float alpha[16];
   std::vector<AmxBlock> blocks;
 };
@@ -745,11 +745,11 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
 // so the output columns come in this order: position dp of the sums holds column amx_col(dp).
 inline int64_t amx_col(int64_t dp) { return 32 * (dp / 32) + 8 * ((dp % 16) / 4) + dp % 4 + 4 * ((dp % 32) / 16); }
 
-// tiles: 0 scores, 1 K (16 keys x 32 columns), 2 q pairs, 3 P (16 rows x 16 keys), 4 V pairs
-// (8 key pairs x 16 columns), 5-6 P V sums
+// tiles: 0 and 7 scores (in turn), 1 K (16 keys x 32 columns), 2 q pairs, 3 P (16 rows x 16
+// keys), 4 V pairs (8 key pairs x 16 columns), 5-6 P V sums
 inline void amx_attention_tiles() {
   jaxserve_native::TileConfig cfg;
-  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   cfg.colsb[3] = 32;
   cfg.rows[4] = 8;
   jaxserve_native::load_tile_config(cfg);
@@ -846,16 +846,31 @@ constexpr int64_t kAmxLaneRows = 8;
 
 // Folds 16 keys from key0 (k: their [16][kD] bf16 rows; V's pairs already in s.vp; nkeys of them
 // exist) into block b's rows.
-template <int64_t kD>
-void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const uint16_t* k, int64_t key0, int64_t nkeys) {
-  _tile_zero(0);
-  #pragma GCC unroll 4
-  for (int64_t c = 0; c < kD; c += 32) {
-    _tile_loadd(1, k + c, kD * 2);
-    _tile_loadd(2, b.q + 8 * c, 64);   // k pairs c / 2 .. c / 2 + 15
-    _tile_dpbf16ps(0, 1, 2);
+// Block b's scores of 16 keys (k: their [16][kD] bf16 rows) into S [key][lane], on sum tile 0 or 7
+// (the tile intrinsics take literal tile numbers).
+#define JAXSERVE_AMX_SCORES(T)                                      \
+  _tile_zero(T);                                                    \
+  for (int64_t c = 0; c < kD; c += 32) {                            \
+    _tile_loadd(1, k + c, kD * 2);                                  \
+    _tile_loadd(2, b.q + 8 * c, 64); /* k pairs c / 2 .. + 15 */    \
+    _tile_dpbf16ps(T, 1, 2);                                        \
+  }                                                                 \
+  _tile_stored(T, S, 64);
+template <int kTile, int64_t kD>
+inline void amx_scores(const AmxBlock& b, const uint16_t* k, float* S) {
+  if constexpr (kTile == 0) {
+    JAXSERVE_AMX_SCORES(0)
+  } else {
+    JAXSERVE_AMX_SCORES(7)
   }
-  _tile_stored(0, s.S, 64);
+}
+#undef JAXSERVE_AMX_SCORES
+
+// Folds 16 keys from key0 into block b's rows: their scores S (amx_scores), V's key pairs vp
+// (amx_v_pairs); nkeys of them exist.
+template <int64_t kD>
+void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, const uint32_t* vp, int64_t key0,
+              int64_t nkeys) {
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int32_t window = static_cast<int32_t>(pr.sliding_window);
   bool any = false;
@@ -871,7 +886,7 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const uint16_t* k, 
       const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
       valid[t] = t < nkeys ? _mm512_cmple_epi32_mask(key, pos) : __mmask16(0);
       if (window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
-      sc[t] = _mm512_load_ps(s.S + 16 * t);
+      sc[t] = _mm512_load_ps(S + 16 * t);
       page_max = _mm512_mask_max_ps(page_max, valid[t], page_max, sc[t]);
     }
     const __mmask16 seen = _mm512_cmp_ps_mask(page_max, masked, _CMP_NEQ_OQ);   // rows with a visible key
@@ -905,7 +920,7 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const uint16_t* k, 
       __m256i weights = _mm256_setzero_si256();
       float alpha = -1.0f;   // nothing to add
       if (valid) {
-        const __m512 scores = _mm512_i32gather_ps(column, s.S + i, 4);
+        const __m512 scores = _mm512_i32gather_ps(column, S + i, 4);
         const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
         const float m_old = b.m[i], m_new = std::max(m_old, page_max);
         alpha = m_old == kMasked ? 0.0f : m_new == m_old ? 1.0f : exp_lane0(m_old - m_new);
@@ -924,10 +939,10 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const uint16_t* k, 
   #pragma GCC unroll 4
   for (int64_t c = 0; c < kD; c += 32) {   // two sum tiles in turn
     _tile_zero(5);
-    _tile_loadd(4, s.vp + c, kD * 4);
+    _tile_loadd(4, vp + c, kD * 4);
     _tile_dpbf16ps(5, 3, 4);
     _tile_zero(6);
-    _tile_loadd(4, s.vp + c + 16, kD * 4);
+    _tile_loadd(4, vp + c + 16, kD * 4);
     _tile_dpbf16ps(6, 3, 4);
     _tile_stored(5, s.pv + 16 * c, 64);
     _tile_stored(6, s.pv + 16 * (c + 16), 64);
@@ -942,32 +957,55 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const uint16_t* k, 
   }
 }
 
-// Pages [p0, p1) of `run`'s table (KV head h) folded into blocks[0, nb), 16 keys at a time.
+// Pages [p0, p1) of `run`'s table (KV head h) folded into blocks[0, nb), 16 keys at a time, then
+// the blocks' state back into their runs; returns the folds. Software-pipelined: the next fold's scores (and, for a
+// new 16 keys, V's pairs) are under way on the other score tile while this one's softmax runs
+// (the tiles are not renamed: one tile would serialise the folds).
 template <int64_t kD>
-void amx_pages(const Problem& pr, AmxScratch& s, const Run& run, int64_t h, int64_t p0, int64_t p1, AmxBlock* blocks,
-               int64_t nb) {   // then the blocks' state back into their runs
-  const int64_t BS = pr.BS, page_elems = BS * kD, page_bytes = page_elems * 2;
+int64_t amx_pages(const Problem& pr, AmxScratch& s, const Run& run, int64_t h, int64_t p0, int64_t p1,
+                  AmxBlock* blocks, int64_t nb) {
+  const int64_t BS = pr.BS, page_elems = BS * kD, page_bytes = page_elems * 2, subs = BS / 16;
   const uint16_t* kv = static_cast<const uint16_t*>(pr.kv);
-  int64_t folds = 0;
-  for (int64_t p = p0; p < p1; ++p) {
-    // the next pages into L2 while this one computes, a few lines at a time (a burst of a whole
-    // page's prefetches fills the miss queue and stalls)
-    const char* base = static_cast<const char*>(pr.kv);
-    const char* nk = p + 1 < p1 ? base + pool_page(pr, run, 0, h, p + 1) * page_bytes : nullptr;
-    const char* nv = p + 1 < p1 ? base + pool_page(pr, run, 1, h, p + 1) * page_bytes : nullptr;
-    const int64_t lines = page_bytes / 64 / (BS / 16) / 8;   // per key pair of each 16 keys
-    const uint16_t* k = kv + pool_page(pr, run, 0, h, p) * page_elems;
-    const uint16_t* v = kv + pool_page(pr, run, 1, h, p) * page_elems;
-    for (int64_t sub = 0; sub < BS / 16; ++sub) {
-      const int64_t key0 = p * BS + 16 * sub, nkeys = std::min<int64_t>(16, run.limit - key0);
-      if (nkeys <= 0) break;
-      amx_v_pairs<kD>(v + 16 * sub * kD, nkeys, s.vp, nk, nv, 8 * lines * sub, lines);
-      for (int64_t bi = 0; bi < nb; ++bi) fold_amx<kD>(pr, blocks[bi], s, k + 16 * sub * kD, key0, nkeys);
-      folds += nb;
+  const char* base = static_cast<const char*>(pr.kv);
+  const int64_t lines = page_bytes / 64 / subs / 8;   // prefetched lines of the next pages per key pair
+  auto keys_at = [&](int64_t p, int64_t sub) { return std::min<int64_t>(16, run.limit - (p * BS + 16 * sub)); };
+  struct Unit {   // one fold: 16 keys (page p, piece sub) into block bi; g counts the pieces, u the folds
+    int64_t p, sub, bi, g, u;
+  };
+  // Starts fold x: V's pairs for a new piece (prefetching the next pages' lines), then its scores.
+  auto start = [&](const Unit& x) {
+    const int64_t key_off = 16 * x.sub * kD;
+    if (x.bi == 0) {
+      const bool more = x.p + 1 < p1;
+      const char* nk = more ? base + pool_page(pr, run, 0, h, x.p + 1) * page_bytes : nullptr;
+      const char* nv = more ? base + pool_page(pr, run, 1, h, x.p + 1) * page_bytes : nullptr;
+      amx_v_pairs<kD>(kv + pool_page(pr, run, 1, h, x.p) * page_elems + key_off, keys_at(x.p, x.sub), s.vp[x.g % 2],
+                      nk, nv, 8 * lines * x.sub, lines);
     }
+    const uint16_t* k = kv + pool_page(pr, run, 0, h, x.p) * page_elems + key_off;
+    if (x.u % 2) amx_scores<7, kD>(blocks[x.bi], k, s.S[1]);
+    else amx_scores<0, kD>(blocks[x.bi], k, s.S[0]);
+  };
+  auto next = [&](const Unit& x, Unit& y) {   // false after the last fold
+    y = Unit{x.p, x.sub, x.bi + 1, x.g, x.u + 1};
+    if (y.bi < nb) return true;
+    y.bi = 0;
+    ++y.g;
+    if (++y.sub == subs) y.sub = 0, ++y.p;
+    return y.p < p1 && keys_at(y.p, y.sub) > 0;
+  };
+  if (nb == 0 || p0 >= p1 || keys_at(p0, 0) <= 0) return 0;
+  Unit x{p0, 0, 0, 0, 0}, y;
+  start(x);
+  while (true) {
+    const bool more = next(x, y);
+    if (more) start(y);
+    fold_amx<kD>(pr, blocks[x.bi], s, s.S[x.u % 2], s.vp[x.g % 2], x.p * BS + 16 * x.sub, keys_at(x.p, x.sub));
+    if (!more) break;
+    x = y;
   }
-  amx_folds.fetch_add(folds, std::memory_order_relaxed);
   for (int64_t bi = 0; bi < nb; ++bi) amx_block_finish<kD>(blocks[bi]);
+  return x.u + 1;
 }
 
 // `attend` on the tiles: the pages several runs share first, for all their rows together, then
@@ -983,6 +1021,7 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
   };
   // several runs share pages (min_lane_fill 0: never together, the A/B switch; the bits are the same)
   const SharedSpan span = shared_span(pr, runs, n, 1);
+  int64_t folds = 0;
   if (pr.min_lane_fill > 0 && span.end > span.lo && span.rows > runs[span.anchor].rows) {
     AmxBlock* blocks = blocks_for(span.rows);
     int64_t nb = 0;
@@ -994,7 +1033,7 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
       }
       runs[i].next_page = span.end;
     }
-    amx_pages<kD>(pr, s, runs[span.anchor], h, span.lo, span.end, blocks, nb);
+    folds += amx_pages<kD>(pr, s, runs[span.anchor], h, span.lo, span.end, blocks, nb);
     lane_block_pages.fetch_add(nb * (span.end - span.lo), std::memory_order_relaxed);
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -1006,8 +1045,9 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
       if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start(blocks[nb++]);
       amx_block_add<kD>(pr, blocks[nb - 1], run, r, h);
     }
-    amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, blocks, nb);
+    folds += amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, blocks, nb);
   }
+  amx_folds.fetch_add(folds, std::memory_order_relaxed);   // once: a locked add waits for every store before it
 }
 #endif
 
