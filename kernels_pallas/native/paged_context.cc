@@ -11,6 +11,8 @@
 // lanes (`fold_lanes16`): each K and V value loaded serves 16 rows. A row goes through the
 // same operations in the same order either way, so its result does not depend on the path,
 // its group or its batch (tests/kernels/test_ragged_paged_attention_cpu.py checks the bits).
+// A bf16 q against a bf16 pool on a CPU with AMX tiles (`amx` set) takes `attend_amx` for every
+// row instead: scores and P x V from `tdpbf16ps`, the softmax weights rounded to bf16 first.
 //
 // Inputs: q [T, QH, D] float32, already scaled by sm_scale (with `q_bf16` set the caller vouches
 // that every value is a bfloat16 exactly, e.g. a bf16 model's q times a power-of-two scale, so
@@ -23,7 +25,8 @@
 // limited to the last `sliding_window` positions when it is > 0, logits soft-capped when
 // soft_cap > 0. Outputs: out [T, QH, D] float32 normalised, lse [T, QH] float32
 // log-sum-exp; rows of other sequences are 0 and -inf. It computes what the reference
-// computes for those rows; the tests check it against a float64 oracle.
+// computes for those rows; the tests check it against a float64 oracle (on the tiles, within
+// what rounding the softmax weights to bf16 allows).
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -490,6 +493,29 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
   }
 }
 
+// The online softmax of 16 rows in lanes over 16 keys: s[t] the keys' scores, valid[t] which rows
+// see key t; m, l the rows' running max and sum ([16], updated). The weights into e[t] (0 where
+// not visible); returns the rows' rescale of their sums so far: 0 for a row's first visible keys,
+// 1 while its max holds, else exp(m_old - m_new) (fold_page16's, lane by lane; 1 or 0 for a row
+// with no visible key, whose m and l stay as they are). `seen`: the rows with a visible key.
+inline __m512 softmax_lanes16(const __m512 s[16], const __mmask16 valid[16], float* m, float* l, __m512 e[16],
+                              __mmask16* seen) {
+  const __m512 masked = _mm512_set1_ps(kMasked);
+  __m512 page_max = masked;
+  #pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) page_max = _mm512_mask_max_ps(page_max, valid[t], page_max, s[t]);
+  *seen = _mm512_cmp_ps_mask(page_max, masked, _CMP_NEQ_OQ);
+  const __m512 m_old = _mm512_load_ps(m), m_new = _mm512_max_ps(m_old, page_max);
+  __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ),
+                                    fast_exp16(_mm512_sub_ps(m_old, m_new)));
+  alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(m_old, masked, _CMP_EQ_OQ), _mm512_setzero_ps());
+  #pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) e[t] = _mm512_maskz_mov_ps(valid[t], fast_exp16(_mm512_sub_ps(s[t], m_new)));
+  _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), alpha, sum16_vertical(e)));
+  _mm512_store_ps(m, m_new);
+  return alpha;
+}
+
 // Folds 16 full keys (k, v: [16][kD] rows, from key0 on) into block b's rows. Each row's scores
 // take fold_page16's order: a chain per lane l of sum_lanes16's input, then its tree over l.
 // float32 (kBf16 false): k is float32; lane l chains fused multiply-adds over d = l, 16 + l, ...
@@ -551,26 +577,15 @@ __attribute__((noinline)) void fold_lanes16(const Problem& pr, LaneBlock& b, con
   }
   const __m512i pos = _mm512_load_si512(b.pos);
   const __m512i window_lo = _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int32_t>(pr.sliding_window)));
-  const __m512 masked = _mm512_set1_ps(kMasked);
-  __mmask16 valid[16];
-  __m512 page_max = masked;
+  __mmask16 valid[16], seen;
   #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
     const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
     valid[t] = _mm512_cmple_epi32_mask(key, pos);
     if (pr.sliding_window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
-    page_max = _mm512_mask_max_ps(page_max, valid[t], page_max, s[t]);
   }
-  const __m512 m_old = _mm512_load_ps(b.m), m_new = _mm512_max_ps(m_old, page_max);
-  // fold_page16's alpha: 0 for a row's first visible keys, 1 while its max holds, else exp(m_old - m_new)
-  __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ),
-                                    fast_exp16(_mm512_sub_ps(m_old, m_new)));
-  alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(m_old, masked, _CMP_EQ_OQ), _mm512_setzero_ps());
   __m512 e[16];
-  #pragma GCC unroll 16
-  for (int t = 0; t < 16; ++t) e[t] = _mm512_maskz_mov_ps(valid[t], fast_exp16(_mm512_sub_ps(s[t], m_new)));
-  _mm512_store_ps(b.l, _mm512_fmadd_ps(_mm512_load_ps(b.l), alpha, sum16_vertical(e)));
-  _mm512_store_ps(b.m, m_new);
+  const __m512 alpha = softmax_lanes16(s, valid, b.m, b.l, e, &seen);
   for (int64_t d = 0; d < kD; d += 4) {   // 4 independent chains over the 16 keys
     __m512 a[4];
     #pragma GCC unroll 4
@@ -877,31 +892,18 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
   if (b.n >= kAmxLaneRows) {   // rows in lanes: S's rows are each key's scores
     const __m512i pos = _mm512_load_si512(b.pos);
     const __m512i window_lo = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
-    const __m512 masked = _mm512_set1_ps(kMasked);
-    __m512 sc[16];
-    __mmask16 valid[16];
-    __m512 page_max = masked;
+    __m512 sc[16], e[16];
+    __mmask16 valid[16], seen;
     #pragma GCC unroll 16
     for (int t = 0; t < 16; ++t) {
       const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
       valid[t] = t < nkeys ? _mm512_cmple_epi32_mask(key, pos) : __mmask16(0);
       if (window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
       sc[t] = _mm512_load_ps(S + 16 * t);
-      page_max = _mm512_mask_max_ps(page_max, valid[t], page_max, sc[t]);
     }
-    const __mmask16 seen = _mm512_cmp_ps_mask(page_max, masked, _CMP_NEQ_OQ);   // rows with a visible key
+    const __m512 alpha = softmax_lanes16(sc, valid, b.m, b.l, e, &seen);
     if (!seen) return;
     any = true;
-    const __m512 m_old = _mm512_load_ps(b.m), m_new = _mm512_max_ps(m_old, page_max);
-    __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ),
-                                      fast_exp16(_mm512_sub_ps(m_old, m_new)));
-    alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(m_old, masked, _CMP_EQ_OQ), _mm512_setzero_ps());
-    __m512 e[16];
-    #pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) e[t] = _mm512_maskz_mov_ps(valid[t], fast_exp16(_mm512_sub_ps(sc[t], m_new)));
-    _mm512_store_ps(b.l, _mm512_mask_mov_ps(_mm512_load_ps(b.l), seen,
-                                            _mm512_fmadd_ps(_mm512_load_ps(b.l), alpha, sum16_vertical(e))));
-    _mm512_store_ps(b.m, _mm512_mask_mov_ps(m_old, seen, m_new));
     _mm512_store_ps(s.alpha, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), seen, alpha));   // -1: nothing to add
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
