@@ -207,7 +207,8 @@ def prefill_enabled() -> bool:
 
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                          bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None,
-                         q_bf16: bool = False, min_lane_fill: int | None = None, amx: bool | None = None):
+                         q_bf16: bool = False, min_lane_fill: int | None = None, amx: bool | None = None,
+                         score_scale: float = 1.0):
     """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
     included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
@@ -221,7 +222,10 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     `lane_fill_setting()`). `amx` (None: `attention_amx()`): a bf16 q (`q_bf16`) against a bf16
     pool with head dim 64 or 128, pages of a multiple of 16 keys and no soft cap runs on AMX
     tiles, where the CPU has them: scores and P x V from `tdpbf16ps`, the softmax weights
-    rounded to bf16 for P x V (as HF's and vLLM's bf16 attention have them). Returns (out
+    rounded to bf16 for P x V (as HF's and vLLM's bf16 attention have them). `score_scale`: on
+    that path only (`amx_attention_applies`), the scores are multiplied by it, so a bf16 q can
+    come unscaled when its softmax scale is no power of two (a scaled one would not be bf16).
+    Returns (out
     [T, QH, D], lse [T, QH]) float32; rows of other sequences are (0, -inf). Call `available()` first.
     """
     num_tokens, num_q_heads, head_dim = qs.shape
@@ -236,7 +240,12 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
                 q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(lane_fill_setting(min_lane_fill)),
-                amx=np.int64(attention_amx() if amx is None else bool(amx)))
+                amx=np.int64(attention_amx() if amx is None else bool(amx)), score_scale=np.float32(score_scale))
+
+
+def amx_attention_applies(head_dim: int, block_size: int, soft_cap: float | None) -> bool:
+    """A bf16 q against a bf16 pool of this shape runs on AMX tiles (the kernel's own conditions)."""
+    return attention_amx() and head_dim in (64, 128) and block_size % 16 == 0 and not soft_cap
 
 
 def attention_amx() -> bool:

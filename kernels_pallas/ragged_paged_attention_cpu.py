@@ -71,24 +71,31 @@ def ragged_paged_attention_cpu(
         raise ValueError("native=True, but the native CPU attention kernel is unavailable (see the log)")
     if decode_query_len is None:
         decode_query_len = q.shape[0] if native and native_cpu.prefill_enabled() else 1
+    amx = bool(native) and native_cpu.attention_amx()
+    power_of_two = math.frexp(sm_scale)[0] == 0.5   # a bf16 q times it is still a bf16 exactly
+    # On the tiles a bf16 q may come unscaled and the kernel scale the scores (a scale that is no
+    # power of two: head dim 128's 1/sqrt(128)), when the native kernel takes every run.
+    scale_scores = (amx and q.dtype == jnp.bfloat16 and kv_cache.dtype == jnp.uint16 and not power_of_two
+                    and decode_query_len >= q.shape[0]
+                    and native_cpu.amx_attention_applies(q.shape[2], kv_cache.shape[3], soft_cap))
     return _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
                                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                        q_block=q_block, query_tile=query_tile,
                                        kv_pages_per_chunk=kv_pages_per_chunk,
                                        decode_query_len=decode_query_len, decode_seq_tile=decode_seq_tile,
                                        native=bool(native),
-                                       # a bf16 q times a power-of-two scale is still a bf16 exactly
-                                       q_bf16=q.dtype == jnp.bfloat16 and math.frexp(sm_scale)[0] == 0.5,
-                                       min_lane_fill=native_cpu.lane_fill_setting(),
-                                       amx=bool(native) and native_cpu.attention_amx())
+                                       q_bf16=q.dtype == jnp.bfloat16 and (power_of_two or scale_scores),
+                                       min_lane_fill=native_cpu.lane_fill_setting(), amx=amx,
+                                       scale_scores=bool(scale_scores))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "q_block", "query_tile", "kv_pages_per_chunk", "decode_query_len",
-    "decode_seq_tile", "native", "q_bf16", "min_lane_fill", "amx"))
+    "decode_seq_tile", "native", "q_bf16", "min_lane_fill", "amx", "scale_scores"))
 def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                                 sm_scale, sliding_window, soft_cap, q_block, query_tile, kv_pages_per_chunk,
-                                decode_query_len, decode_seq_tile, native, q_bf16, min_lane_fill, amx):
+                                decode_query_len, decode_seq_tile, native, q_bf16, min_lane_fill, amx,
+                                scale_scores):
     check_ragged_paged_attention_inputs(
         q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -114,11 +121,11 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
     in_step = q_lens > 0
     parts = []
     if native and decode_query_len >= num_tokens:   # static: the native kernel takes every run
+        rows = (q.astype(_F32) if scale_scores else qs[:num_tokens]).reshape(num_tokens, num_q_heads, head_dim)
         out, _ = native_cpu.paged_context_native(
-            qs[:num_tokens].reshape(num_tokens, num_q_heads, head_dim), kv_cache, block_tables, context_lens,
-            query_start_loc, num_seqs, bits_dtype=q.dtype, max_q_len=num_tokens,
-            sliding_window=sliding_window, soft_cap=soft_cap, q_bf16=q_bf16,
-            min_lane_fill=min_lane_fill, amx=amx)
+            rows, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, bits_dtype=q.dtype,
+            max_q_len=num_tokens, sliding_window=sliding_window, soft_cap=soft_cap, q_bf16=q_bf16,
+            min_lane_fill=min_lane_fill, amx=amx, score_scale=sm_scale if scale_scores else 1.0)
         return out.astype(q.dtype)
     if native and decode_query_len > 0:
         # Short runs (decodes) read their whole context natively (the pool holds this step's

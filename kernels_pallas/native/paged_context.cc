@@ -14,7 +14,8 @@
 // A bf16 q against a bf16 pool on a CPU with AMX tiles (`amx` set) takes `attend_amx` for every
 // row instead: scores and P x V from `tdpbf16ps`, the softmax weights rounded to bf16 first.
 //
-// Inputs: q [T, QH, D] float32, already scaled by sm_scale (with `q_bf16` set the caller vouches
+// Inputs: q [T, QH, D] float32, already scaled by sm_scale (on the tiles, `score_scale` may carry
+// a scale that is no power of two instead, q unscaled; with `q_bf16` set the caller vouches
 // that every value is a bfloat16 exactly, e.g. a bf16 model's q times a power-of-two scale, so
 // against a bf16 pool the scores come from `vdpbf16ps` on the raw K pages); kv [2, KVH, NB, BS, D] float32,
 // or uint16 holding bfloat16 (bits_dtype 1) or float16 (bits_dtype 2) bits; block_tables
@@ -140,6 +141,7 @@ struct Problem {
   bool q_bf16;              // q holds bfloat16 values exactly
   int64_t min_lane_fill;    // fold shared pages 16 rows at a time when that fills lanes this well (0: never)
   bool amx;                 // every fold on AMX tiles (attend_amx)
+  float score_scale;        // the tiles' scores times this (q unscaled: a scale that is no power of two)
 };
 
 constexpr int64_t kSeqGroup = 16;    // short runs walked page by page together (see `attend`)
@@ -888,6 +890,7 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
               int64_t nkeys) {
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int32_t window = static_cast<int32_t>(pr.sliding_window);
+  const __m512 scale = _mm512_set1_ps(pr.score_scale);   // 1: exact, the scores as they are
   bool any = false;
   if (b.n >= kAmxLaneRows) {   // rows in lanes: S's rows are each key's scores
     const __m512i pos = _mm512_load_si512(b.pos);
@@ -899,7 +902,7 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
       const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
       valid[t] = t < nkeys ? _mm512_cmple_epi32_mask(key, pos) : __mmask16(0);
       if (window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
-      sc[t] = _mm512_load_ps(S + 16 * t);
+      sc[t] = _mm512_mul_ps(_mm512_load_ps(S + 16 * t), scale);
     }
     const __m512 alpha = softmax_lanes16(sc, valid, b.m, b.l, e, &seen);
     if (!seen) return;
@@ -922,7 +925,7 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
       __m256i weights = _mm256_setzero_si256();
       float alpha = -1.0f;   // nothing to add
       if (valid) {
-        const __m512 scores = _mm512_i32gather_ps(column, S + i, 4);
+        const __m512 scores = _mm512_mul_ps(_mm512_i32gather_ps(column, S + i, 4), scale);
         const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
         const float m_old = b.m[i], m_new = std::max(m_old, page_max);
         alpha = m_old == kMasked ? 0.0f : m_new == m_old ? 1.0f : exp_lane0(m_old - m_new);
@@ -1135,20 +1138,23 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
                             int64_t sliding_window, float soft_cap, int64_t q_bf16, int64_t min_lane_fill,
-                            int64_t amx) {
+                            int64_t amx, float score_scale) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
   Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
              query_start_loc.typed_data(), out->typed_data(), lse->typed_data(),
              qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
-             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill, false};
+             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill, false, score_scale};
   if (kd[4] != pr.D || pr.QH % pr.KVH) return ffi::Error::InvalidArgument("q and kv shapes disagree");
   pr.G = pr.QH / pr.KVH;
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
   pr.amx = amx != 0 && jaxserve_native::amx_permitted() && pr.bits_dtype == 1 && pr.q_bf16 && pr.soft_cap <= 0.0f &&
            pr.BS % 16 == 0 && (pr.D == 64 || pr.D == 128);
 #endif
+  if (score_scale != 1.0f && !pr.amx)
+    return ffi::Error::InvalidArgument("score_scale other than 1 needs the AMX path (amx set, a bf16 q against a bf16 "
+                                       "pool, head dim 64 or 128, pages of a multiple of 16, no soft cap, AMX usable)");
   const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
   std::fill(pr.out, pr.out + pr.T * pr.QH * pr.D, 0.0f);
   std::fill(pr.lse, pr.lse + pr.T * pr.QH, -std::numeric_limits<float>::infinity());
@@ -1220,4 +1226,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("q_bf16")       // 1: q's values are bfloat16 exactly
                                   .Attr<int64_t>("min_lane_fill")   // rows per 16-lane block to fold shared pages so
-                                  .Attr<int64_t>("amx"));           // 1: on AMX tiles where they apply
+                                  .Attr<int64_t>("amx")             // 1: on AMX tiles where they apply
+                                  .Attr<float>("score_scale"));     // the tiles' scores times this

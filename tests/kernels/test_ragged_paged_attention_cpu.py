@@ -38,12 +38,13 @@ def run_cpu(args, **kw):
 
 
 def assert_matches_with_bf16_weights(got, q, cache, *meta, sm_scale, sliding_window=None):
-    """The AMX path rounds each softmax weight to bf16 before P x V (a relative error of at most
-    2^-9 each), so an output may move from the float64 oracle's by up to 2^-9 of the sum of
-    weights times |V| (the oracle's own, `abs_values`), plus float32 rounding."""
+    """The AMX path rounds each softmax weight to bf16 before P x V (8 significant bits: a relative
+    error of at most 2^-8 each, to nearest), so an output may move from the float64 oracle's by
+    up to 2^-8 of the sum of weights times |V| (the oracle's own, `abs_values`), plus float32
+    rounding."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     want = naive_attention(q, cache, *meta, **kw)
-    bound = 2.0 ** -9 * naive_attention(q, cache, *meta, abs_values=True, **kw)
+    bound = 2.0 ** -8 * naive_attention(q, cache, *meta, abs_values=True, **kw)
     query_start_loc, num_seqs = meta[2], meta[3]
     T = int(query_start_loc[int(num_seqs)])   # rows of real tokens
     got, want, bound = np.asarray(got)[:T], want[:T], bound[:T]
@@ -345,3 +346,38 @@ def test_stale_pool_contents_past_a_runs_last_key_stay_out(variant):
     assert np.all(np.isfinite(results[1][0][:T])) and np.all(np.isfinite(results[1][1][:T]))
     for clean, dirty in zip(*results):
         np.testing.assert_array_equal(dirty, clean)
+
+
+@pytest.mark.skipif(not (native_cpu.available() and native_cpu.attention_amx()), reason="no AMX tiles here")
+@pytest.mark.parametrize("window", [None, 21])
+def test_a_scale_that_is_no_power_of_two_scales_the_tiles_scores(window):
+    """Head dim 128's 1/sqrt(128) times a bf16 q is no bf16: the model-facing entry point passes q
+    unscaled and the kernel multiplies the tiles' scores by the scale (every row the same way)."""
+    seqs = [(70, 1), (33, 1), (16, 1), (17, 1), (90, 20), (1, 1), (48, 2), (40, 17)]
+    args = make_batch(seqs, block_size=16, head_dim=128, num_blocks=64, max_blocks=6, num_kv_heads=3, group=3)
+    q = np.asarray(jnp.asarray(args[0], jnp.bfloat16).astype(jnp.float32))
+    cache = jnp.asarray(args[1], jnp.bfloat16)
+    bits = jnp.asarray(np.asarray(cache).view(np.uint16))
+    meta = tuple(map(jnp.asarray, args[2:]))
+    scale = 128 ** -0.5
+    before = native_cpu.amx_attention_folds()
+    got, _ = native_cpu.paged_context_native(jnp.asarray(q), bits, *meta, bits_dtype=jnp.bfloat16, max_q_len=q.shape[0],
+                                             sliding_window=window, soft_cap=None, q_bf16=True, score_scale=scale)
+    assert native_cpu.amx_attention_folds() > before
+    assert_matches_with_bf16_weights(got, q, np.asarray(cache.astype(jnp.float32)), *args[2:], sm_scale=scale,
+                                     sliding_window=window)
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in step_kv(args))
+    out = ragged_paged_attention_cpu(jnp.asarray(q, jnp.bfloat16), k, v, bits, *meta, sm_scale=scale,
+                                     sliding_window=window, native=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(got.astype(jnp.bfloat16)))
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
+def test_a_score_scale_off_the_tiles_is_refused():
+    """`score_scale` exists for the tiles only; the vector folds take scaled queries."""
+    args = make_batch([(20, 1), (9, 3)], block_size=16, head_dim=64, num_blocks=8, max_blocks=2, num_kv_heads=1,
+                      group=2)
+    with pytest.raises(Exception, match="score_scale other than 1 needs the AMX path"):
+        jax.block_until_ready(native_cpu.paged_context_native(
+            jnp.asarray(args[0]), jnp.asarray(args[1]), *map(jnp.asarray, args[2:5]), int(args[5]),
+            bits_dtype=jnp.float32, max_q_len=3, sliding_window=None, soft_cap=None, score_scale=0.3))
