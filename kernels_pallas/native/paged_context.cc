@@ -81,7 +81,8 @@ inline float f16_to_f32(uint16_t h) {
 }
 
 // 16-row blocks times pages folded by `fold_lanes16` (or shared pages folded on the tiles) and
-// blocks times 16 keys folded on AMX tiles, since the library loaded (for the tests).
+// blocks times 16 keys taken on AMX tiles (a block that sees none of them included), since the
+// library loaded (for the tests).
 std::atomic<int64_t> lane_block_pages{0};
 std::atomic<int64_t> amx_folds{0};
 
@@ -861,8 +862,6 @@ inline void amx_transpose_pairs(const __m512i p[8], uint16_t* P) {
 // one by one. The same operations per row in the same order either way, so the same bits.
 constexpr int64_t kAmxLaneRows = 8;
 
-// Folds 16 keys from key0 (k: their [16][kD] bf16 rows; V's pairs already in s.vp; nkeys of them
-// exist) into block b's rows.
 // Block b's scores of 16 keys (k: their [16][kD] bf16 rows) into S [key][lane], on sum tile 0 or 7
 // (the tile intrinsics take literal tile numbers).
 #define JAXSERVE_AMX_SCORES(T)                                      \
@@ -924,9 +923,9 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
       if (window > 0) valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(b.pos[i] - window));
       __m256i weights = _mm256_setzero_si256();
       float alpha = -1.0f;   // nothing to add
-      if (valid) {
-        const __m512 scores = _mm512_mul_ps(_mm512_i32gather_ps(column, S + i, 4), scale);
-        const float page_max = _mm512_mask_reduce_max_ps(valid, scores);
+      const __m512 scores = valid ? _mm512_mul_ps(_mm512_i32gather_ps(column, S + i, 4), scale) : _mm512_setzero_ps();
+      const float page_max = valid ? _mm512_mask_reduce_max_ps(valid, scores) : kMasked;
+      if (page_max > kMasked) {   // the lanes' `seen`: a visible key scored above the stand-in for -inf
         const float m_old = b.m[i], m_new = std::max(m_old, page_max);
         alpha = m_old == kMasked ? 0.0f : m_new == m_old ? 1.0f : exp_lane0(m_old - m_new);
         const __m512 e = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
@@ -962,18 +961,18 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
   }
 }
 
-// Pages [p0, p1) of `run`'s table (KV head h) folded into blocks[0, nb), 16 keys at a time, then
+// Pages [p0, p1) of `run`'s table (KV head h), keys before `limit`, folded into blocks[0, nb), 16 keys at a time, then
 // the blocks' state back into their runs; returns the folds. Software-pipelined: the next fold's scores (and, for a
 // new 16 keys, V's pairs) are under way on the other score tile while this one's softmax runs
 // (the tiles are not renamed: one tile would serialise the folds).
 template <int64_t kD>
-int64_t amx_pages(const Problem& pr, AmxScratch& s, const Run& run, int64_t h, int64_t p0, int64_t p1,
+int64_t amx_pages(const Problem& pr, AmxScratch& s, const Run& run, int64_t h, int64_t p0, int64_t p1, int64_t limit,
                   AmxBlock* blocks, int64_t nb) {
   const int64_t BS = pr.BS, page_elems = BS * kD, page_bytes = page_elems * 2, subs = BS / 16;
   const uint16_t* kv = static_cast<const uint16_t*>(pr.kv);
   const char* base = static_cast<const char*>(pr.kv);
   const int64_t lines = page_bytes / 64 / subs / 8;   // prefetched lines of the next pages per key pair
-  auto keys_at = [&](int64_t p, int64_t sub) { return std::min<int64_t>(16, run.limit - (p * BS + 16 * sub)); };
+  auto keys_at = [&](int64_t p, int64_t sub) { return std::min<int64_t>(16, limit - (p * BS + 16 * sub)); };
   struct Unit {   // one fold: 16 keys (page p, piece sub) into block bi; g counts the pieces, u the folds
     int64_t p, sub, bi, g, u;
   };
@@ -1026,8 +1025,9 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
   };
   // several runs share pages (min_lane_fill 0: never together, the A/B switch; the bits are the same)
   const SharedSpan span = shared_span(pr, runs, n, 1);
-  int64_t folds = 0;
-  if (pr.min_lane_fill > 0 && span.end > span.lo && span.rows > runs[span.anchor].rows) {
+  int64_t folds = 0, taken = 0;
+  for (int64_t i = 0; i < n; ++i) taken += span.end > span.lo && span.shared[i] >= span.end - span.lo;
+  if (pr.min_lane_fill > 0 && taken >= 2) {
     AmxBlock* blocks = blocks_for(span.rows);
     int64_t nb = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -1038,7 +1038,8 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
       }
       runs[i].next_page = span.end;
     }
-    folds += amx_pages<kD>(pr, s, runs[span.anchor], h, span.lo, span.end, blocks, nb);
+    // every taken run reads these pages whole (the anchor itself may not: its limit is not theirs)
+    folds += amx_pages<kD>(pr, s, runs[span.anchor], h, span.lo, span.end, span.end * pr.BS, blocks, nb);
     lane_block_pages.fetch_add(nb * (span.end - span.lo), std::memory_order_relaxed);
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -1050,9 +1051,10 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
       if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start(blocks[nb++]);
       amx_block_add<kD>(pr, blocks[nb - 1], run, r, h);
     }
-    folds += amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, blocks, nb);
+    folds += amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, run.limit, blocks, nb);
   }
   amx_folds.fetch_add(folds, std::memory_order_relaxed);   // once: a locked add waits for every store before it
+  _tile_release();   // the tile state back (no 8 KB to save at each switch, deeper idle states)
 }
 #endif
 

@@ -255,38 +255,38 @@ def _shared_prefix_batch(block_size, head_dim, *, group=3):
 
 @pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
 @pytest.mark.parametrize("block_size, head_dim", [(16, 64), (32, 128), (64, 64)])
-@pytest.mark.parametrize("variant", ["plain", "sliding_window", "bf16_pool", "bf16_dot"])
+@pytest.mark.parametrize("variant", ["plain", "sliding_window", "bf16_pool", "bf16_dot", "bf16_dot_window"])
 def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, head_dim, variant):
     """Pages several runs share (and a prefill block's full pages) are folded for 16 query rows at
     a time, rows in vector lanes. Each row goes through the same operations in the same order as
     when its run folds them alone, so the answer is the same to the bit: with the path off, and
     for every sequence computed on its own (a lone decode's 3 rows never take it). bf16_dot: a
     bf16 q against a bf16 pool, scores from bf16 dot products in both layouts."""
-    if variant == "bf16_dot" and not native_cpu.gemm_available():
+    if variant.startswith("bf16_dot") and not native_cpu.gemm_available():
         pytest.skip("no AVX-512 BF16 on this CPU")
     args = _shared_prefix_batch(block_size, head_dim)
     q, cache, tables, ctx, qsl, num_seqs = args
     scale = 2.0 ** -round(np.log2(head_dim) / 2)   # a power of two: a bf16 q times it is still a bf16
-    window = 5 * block_size + 3 if variant == "sliding_window" else None
+    window = 5 * block_size + 3 if variant.endswith("window") else None
     pool, bits = jnp.asarray(cache), jnp.float32
-    if variant in ("bf16_pool", "bf16_dot"):
+    if variant.startswith("bf16"):
         cache = np.asarray(jnp.asarray(cache, jnp.bfloat16).astype(jnp.float32))
         pool, bits = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16)), jnp.bfloat16
-    if variant == "bf16_dot":
+    if variant.startswith("bf16_dot"):
         q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
 
     def attend(q, tables, ctx, qsl, num_seqs, fill):   # waited for: the counter is read right after
         return jax.block_until_ready(native_cpu.paged_context_native(
             jnp.asarray(q * scale), pool, jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(qsl), num_seqs,
             bits_dtype=bits, max_q_len=q.shape[0], sliding_window=window, soft_cap=None,
-            q_bf16=variant == "bf16_dot", min_lane_fill=fill))
+            q_bf16=variant.startswith("bf16_dot"), min_lane_fill=fill))
 
     before, tiles_before = native_cpu.lane_block_pages(), native_cpu.amx_attention_folds()
     on = attend(q, tables, ctx, qsl, num_seqs, 10)
     assert native_cpu.lane_block_pages() > before   # the lane path ran
     # a bf16 q against a bf16 pool takes the AMX tiles where the CPU has them (rows in lanes for
     # blocks of 8+ rows, one by one below: a lone decode's 3 rows, checked against the lanes below)
-    tiles = variant == "bf16_dot" and native_cpu.attention_amx()
+    tiles = variant.startswith("bf16_dot") and native_cpu.attention_amx()
     assert (native_cpu.amx_attention_folds() > tiles_before) == tiles
     off_before = native_cpu.lane_block_pages()
     off = attend(q, tables, ctx, qsl, num_seqs, 0)
@@ -294,7 +294,7 @@ def test_shared_pages_fold_16_rows_at_a_time_with_the_same_numbers(block_size, h
     for a, b in zip(on, off):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     T = int(qsl[num_seqs])
-    if variant == "bf16_dot" and native_cpu.attention_amx():   # on the tiles: the weights rounded to bf16
+    if tiles:   # on the tiles: the weights rounded to bf16
         assert_matches_with_bf16_weights(np.asarray(on[0])[:T], q, cache, tables, ctx, qsl, num_seqs,
                                          sm_scale=scale, sliding_window=window)
     else:
@@ -335,6 +335,7 @@ def test_stale_pool_contents_past_a_runs_last_key_stay_out(variant):
         stale[0, :, block, offset:] = np.nan
         stale[1, :, block, offset:] = np.inf
     results = []
+    before = native_cpu.amx_attention_folds()
     for pool in (cache, stale):
         bits = jnp.asarray(np.asarray(jnp.asarray(pool, jnp.bfloat16)).view(np.uint16)) if bf16 else jnp.asarray(pool)
         out, lse = native_cpu.paged_context_native(
@@ -342,6 +343,7 @@ def test_stale_pool_contents_past_a_runs_last_key_stay_out(variant):
             bits_dtype=jnp.bfloat16 if bf16 else jnp.float32, max_q_len=q.shape[0], sliding_window=None,
             soft_cap=None, q_bf16=variant == "bf16_dot")
         results.append((np.asarray(out), np.asarray(lse)))
+    assert (native_cpu.amx_attention_folds() > before) == (variant == "bf16_dot" and native_cpu.attention_amx())
     T = int(qsl[num_seqs])
     assert np.all(np.isfinite(results[1][0][:T])) and np.all(np.isfinite(results[1][1][:T]))
     for clean, dirty in zip(*results):
@@ -370,6 +372,14 @@ def test_a_scale_that_is_no_power_of_two_scales_the_tiles_scores(window):
     out = ragged_paged_attention_cpu(jnp.asarray(q, jnp.bfloat16), k, v, bits, *meta, sm_scale=scale,
                                      sliding_window=window, native=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(got.astype(jnp.bfloat16)))
+    tables, ctx, qsl = args[2], args[3], args[4]
+    for s in range(int(args[5])):   # each sequence alone: the same bits
+        lo, hi = int(qsl[s]), int(qsl[s + 1])
+        alone, _ = native_cpu.paged_context_native(
+            jnp.asarray(q[lo:hi]), bits, jnp.asarray(tables[s:s + 1]), jnp.asarray(ctx[s:s + 1]),
+            jnp.asarray([0, hi - lo], jnp.int32), 1, bits_dtype=jnp.bfloat16, max_q_len=hi - lo,
+            sliding_window=window, soft_cap=None, q_bf16=True, score_scale=scale)
+        np.testing.assert_array_equal(np.asarray(alone), np.asarray(got)[lo:hi])
 
 
 @pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
@@ -381,3 +391,28 @@ def test_a_score_scale_off_the_tiles_is_refused():
         jax.block_until_ready(native_cpu.paged_context_native(
             jnp.asarray(args[0]), jnp.asarray(args[1]), *map(jnp.asarray, args[2:5]), int(args[5]),
             bits_dtype=jnp.float32, max_q_len=3, sliding_window=None, soft_cap=None, score_scale=0.3))
+
+
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("amx", [False, True])
+def test_shared_pages_whole_for_some_runs_and_partial_for_the_anchor(amx):
+    """Three runs share two pool blocks; the first run's context ends inside the second, which the
+    others read whole. Folding the shared pages together must still give each run all of its keys
+    (the pages' key count is the runs' that share them, not the first run's)."""
+    rng = np.random.default_rng(0)
+    ctx = np.array([24, 40, 40], np.int32)
+    tables = np.array([[1, 2, 0], [1, 2, 3], [1, 2, 4]], np.int32)
+    qsl = np.array([0, 1, 2, 3], np.int32)
+    q = np.asarray(jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.bfloat16).astype(jnp.float32))
+    cache = np.asarray(jnp.asarray(rng.standard_normal((2, 1, 8, 16, 64)), jnp.bfloat16).astype(jnp.float32))
+    bits = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16))
+    outs = [native_cpu.paged_context_native(
+        jnp.asarray(q * 0.125), bits, jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(qsl), 3,
+        bits_dtype=jnp.bfloat16, max_q_len=1, sliding_window=None, soft_cap=None, q_bf16=True, amx=amx,
+        min_lane_fill=fill)[0] for fill in (0, 1)]
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    if amx and native_cpu.attention_amx():
+        assert_matches_with_bf16_weights(outs[1], q, cache, tables, ctx, qsl, 3, sm_scale=0.125)
+    else:
+        want = naive_attention(q, cache, tables, ctx, qsl, 3, sm_scale=0.125)
+        np.testing.assert_allclose(np.asarray(outs[1]), want, rtol=RTOL, atol=ATOL)
