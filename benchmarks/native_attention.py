@@ -1,7 +1,9 @@
 """The native CPU attention kernel alone, one layer: shared pages folded 16 rows at a time or not; AMX tiles or not.
 
 Times `native_cpu.paged_context_native` on the default model's attention shapes (9 q heads,
-3 KV heads, head_dim 64, pages of 16) in one process, two settings alternating call by call
+3 KV heads, head_dim 64, pages of 16; `--head-dim 128`: 8 q heads, 2 KV heads, a softmax scale
+that is no power of two, which the tiles apply to the scores) in one process, two settings
+alternating call by call
 (medians; this machine is noisy): `--compare lanes` (default) the two settings of
 `min_lane_fill`, checking that both give the same numbers bit for bit; `--compare amx`
 (bfloat16) the vector folds against the AMX tiles, printing the largest difference of the
@@ -12,11 +14,13 @@ outputs (the tiles round the softmax weights to bf16). Cases:
 - mixed: the shared case's decodes next to a 128-token prefill.
 
     python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40] [--cold] [--compare lanes|amx]
+                                          [--head-dim 64|128]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -27,22 +31,35 @@ import numpy as np
 from kernels_pallas import native_cpu
 from kernels_pallas.oracle import make_batch
 
-QH, KVH, D, BS = 9, 3, 64, 16
+BS = 16
+HEADS = {64: (9, 3), 128: (8, 2)}   # head dim -> (q heads, KV heads)
 
 
-def make_case(seqs, shared_blocks, dtype, seed):
-    """seqs: (context, q_len) pairs; the first `shared_blocks` pages of every table are the same blocks."""
+def make_case(seqs, shared_blocks, dtype, seed, head_dim=64):
+    """seqs: (context, q_len) pairs; the first `shared_blocks` pages of every table are the same
+    blocks. Returns q unscaled (a bf16 model's: bf16 values), the pool, the metadata."""
+    QH, KVH = HEADS[head_dim]
     need = [-(-ctx // BS) for ctx, _ in seqs]
     q, kv, tables, ctx, qsl, num_seqs = make_batch(
         seqs, seed=seed, num_tokens=sum(q for _, q in seqs), num_seq_slots=len(seqs), block_size=BS,
-        num_blocks=sum(need) + 1, max_blocks=max(need), num_kv_heads=KVH, group=QH // KVH, head_dim=D)
+        num_blocks=sum(need) + 1, max_blocks=max(need), num_kv_heads=KVH, group=QH // KVH, head_dim=head_dim)
     tables[1:, :shared_blocks] = tables[0, :shared_blocks]
     pool = jnp.asarray(kv) if dtype == "float32" else jnp.asarray(
         np.asarray(jnp.asarray(kv, jnp.bfloat16)).view(np.uint16))
-    q = q * np.float32(D ** -0.5)
-    if dtype == "bfloat16":   # a bf16 model's q: its scores come from bf16 dot products
+    if dtype == "bfloat16":
         q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
     return tuple(map(jnp.asarray, (q, pool, tables, ctx, qsl))) + (int(num_seqs),)
+
+
+def query_args(q, dtype, head_dim, tiles):
+    """What the model-facing entry point passes: q times the scale (a bf16 q times a power of two
+    is still a bf16: scores from bf16 dot products), or on the tiles q unscaled with the scale
+    applied to the scores when it is no power of two."""
+    scale = head_dim ** -0.5
+    power_of_two = math.frexp(scale)[0] == 0.5
+    if dtype == "bfloat16" and tiles and not power_of_two:
+        return dict(qs=q, q_bf16=True, score_scale=scale)
+    return dict(qs=q * scale, q_bf16=dtype == "bfloat16" and power_of_two)
 
 
 CASES = {
@@ -59,6 +76,7 @@ def main():
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--min-lane-fill", type=int, default=native_cpu.MIN_LANE_FILL)
     p.add_argument("--compare", choices=["lanes", "amx"], default="lanes")
+    p.add_argument("--head-dim", type=int, choices=sorted(HEADS), default=64)
     p.add_argument("--cold", action="store_true",
                    help="evict the caches before each call (the step's weights do, between layers)")
     args = p.parse_args()
@@ -69,17 +87,20 @@ def main():
     settings = ({"min_lane_fill": 0}, {"min_lane_fill": args.min_lane_fill}) if args.compare == "lanes" else (
         {"amx": False}, {"amx": True})
     names = ("lanes off", "lanes on") if args.compare == "lanes" else ("vector", "AMX")
-    print(f"native attention, one layer, {args.dtype} pool, {jax.device_count()} device, reps {args.reps}")
+    print(f"native attention, one layer, {args.dtype} pool, head dim {args.head_dim}, {jax.device_count()} device, "
+          f"reps {args.reps}")
     print(f"{'case':<8} {names[0] + ' ms':>13} {names[1] + ' ms':>12} {'ratio':>6}  "
           f"{'same bits' if args.compare == 'lanes' else 'max |diff|'}")
     for seed, (name, (seqs, shared)) in enumerate(CASES.items()):
-        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, seed)
-        fns = {}
+        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, seed, args.head_dim)
+        fns, queries = {}, {}
         for i, setting in enumerate(settings):
-            fns[i] = jax.jit(lambda q, pool, tables, ctx, qsl, setting=setting: native_cpu.paged_context_native(
-                q, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.dtype(args.dtype), max_q_len=q.shape[0],
-                sliding_window=None, soft_cap=None, q_bf16=args.dtype == "bfloat16", **setting))
-        outs = {k: jax.block_until_ready(f(q, pool, tables, ctx, qsl)) for k, f in fns.items()}
+            call = query_args(q, args.dtype, args.head_dim, setting.get("amx", native_cpu.attention_amx()))
+            queries[i] = call.pop("qs")
+            fns[i] = jax.jit(lambda qs, pool, tables, ctx, qsl, kw={**call, **setting}: native_cpu.paged_context_native(
+                qs, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.dtype(args.dtype), max_q_len=qs.shape[0],
+                sliding_window=None, soft_cap=None, **kw))
+        outs = {k: jax.block_until_ready(f(queries[k], pool, tables, ctx, qsl)) for k, f in fns.items()}
         if args.compare == "lanes":
             same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
         else:
@@ -90,7 +111,7 @@ def main():
                 if args.cold:
                     evict.sum()   # reads 64 MB, more than this CPU's caches hold, as the weights stream
                 t = time.perf_counter()
-                jax.block_until_ready(f(q, pool, tables, ctx, qsl))
+                jax.block_until_ready(f(queries[k], pool, tables, ctx, qsl))
                 times[k].append(time.perf_counter() - t)
         off, on = (statistics.median(times[k]) * 1e3 for k in fns)
         print(f"{name:<8} {off:>13.3f} {on:>12.3f} {off / on:>6.2f}  {same}")
