@@ -604,6 +604,18 @@ __attribute__((noinline)) void fold_lanes16(const Problem& pr, LaneBlock& b, con
 }
 #endif
 
+// A query row's float32 values (bf16 values exactly) as bf16 pairs (q[2c], q[2c + 1]), one 32-bit
+// word each, into lane `lane` of `words` ([d / 2][16]): the second operand of `vdpbf16ps` with
+// rows in lanes and of the tiles' scores.
+inline void q_pairs_into_lane(const float* qrow, int64_t d, uint32_t* words, int64_t lane) {
+  for (int64_t c = 0; c < d / 2; ++c) {
+    uint32_t even, odd;
+    std::memcpy(&even, qrow + 2 * c, sizeof even);
+    std::memcpy(&odd, qrow + 2 * c + 1, sizeof odd);
+    words[c * 16 + lane] = even >> 16 | (odd & 0xFFFF0000u);
+  }
+}
+
 // The pages to fold for several runs' rows together: those that runs read whole from the same
 // pool blocks from the first page of the group's most common first block (the anchor) on, as
 // many and as far as gives the most row-pages, where the runs' rows fill 16-row blocks with at
@@ -692,14 +704,8 @@ void fold_shared_pages(const Problem& pr, Scratch& w, Run* runs, int64_t n, int6
       const Run& run = runs[i];
       const int64_t j = r / G, g = r % G;
       const float* qrow = pr.q + ((run.start + j) * QH + h * G + g) * kD;
-      if (bf16_scores) {   // pairs (q[2c], q[2c + 1]) as one word, c = 16w + l (exact: q's values are bf16)
-        uint32_t* words = reinterpret_cast<uint32_t*>(b.q);
-        for (int64_t c = 0; c < kD / 2; ++c) {
-          uint32_t even, odd;
-          std::memcpy(&even, qrow + 2 * c, sizeof even);
-          std::memcpy(&odd, qrow + 2 * c + 1, sizeof odd);
-          words[c * 16 + lane] = even >> 16 | (odd & 0xFFFF0000u);
-        }
+      if (bf16_scores) {   // pairs (q[2c], q[2c + 1]) as one word, c = 16w + l
+        q_pairs_into_lane(qrow, kD, reinterpret_cast<uint32_t*>(b.q), lane);
       } else {
         for (int64_t d = 0; d < kD; ++d) b.q[d * 16 + lane] = qrow[d];
       }
@@ -773,9 +779,10 @@ inline void amx_attention_tiles() {
   jaxserve_native::load_tile_config(cfg);
 }
 
+template <int64_t kD>
 inline void amx_block_start(AmxBlock& b) {
   b.n = 0;
-  std::fill(b.q, b.q + 64 * 16, 0u);
+  std::fill(b.q, b.q + kD / 2 * 16, 0u);   // the pairs the scores read
   std::fill(b.pos, b.pos + 16, -1);   // no key is at or before it
   std::fill(b.m, b.m + 16, kMasked);
   std::fill(b.l, b.l + 16, 0.0f);
@@ -785,13 +792,7 @@ inline void amx_block_start(AmxBlock& b) {
 template <int64_t kD>
 inline void amx_block_add(const Problem& pr, AmxBlock& b, Run& run, int64_t r, int64_t h) {
   const int64_t j = r / pr.G, g = r % pr.G, lane = b.n++;
-  const float* qrow = pr.q + ((run.start + j) * pr.QH + h * pr.G + g) * kD;
-  for (int64_t c = 0; c < kD / 2; ++c) {   // exact: q's values are bf16
-    uint32_t even, odd;
-    std::memcpy(&even, qrow + 2 * c, sizeof even);
-    std::memcpy(&odd, qrow + 2 * c + 1, sizeof odd);
-    b.q[c * 16 + lane] = even >> 16 | (odd & 0xFFFF0000u);
-  }
+  q_pairs_into_lane(pr.q + ((run.start + j) * pr.QH + h * pr.G + g) * kD, kD, b.q, lane);
   b.pos[lane] = static_cast<int32_t>(run.pos0 + j);
   b.run_m[lane] = run.m + r;
   b.run_l[lane] = run.l + r;
@@ -1023,6 +1024,12 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
     if (s.blocks.size() < need) s.blocks.resize(need);
     return s.blocks.data();
   };
+  auto add_rows = [&](AmxBlock* blocks, int64_t& nb, Run& run) {   // run's rows into the blocks' next lanes
+    for (int64_t r = 0; r < run.rows; ++r) {
+      if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start<kD>(blocks[nb++]);
+      amx_block_add<kD>(pr, blocks[nb - 1], run, r, h);
+    }
+  };
   // several runs share pages (min_lane_fill 0: never together, the A/B switch; the bits are the same)
   const SharedSpan span = shared_span(pr, runs, n, 1);
   int64_t folds = 0, taken = 0;
@@ -1032,10 +1039,7 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
     int64_t nb = 0;
     for (int64_t i = 0; i < n; ++i) {
       if (span.shared[i] < span.end - span.lo) continue;
-      for (int64_t r = 0; r < runs[i].rows; ++r) {
-        if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start(blocks[nb++]);
-        amx_block_add<kD>(pr, blocks[nb - 1], runs[i], r, h);
-      }
+      add_rows(blocks, nb, runs[i]);
       runs[i].next_page = span.end;
     }
     // every taken run reads these pages whole (the anchor itself may not: its limit is not theirs)
@@ -1047,10 +1051,7 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
     if (run.next_page >= run.last_page) continue;
     AmxBlock* blocks = blocks_for(run.rows);
     int64_t nb = 0;
-    for (int64_t r = 0; r < run.rows; ++r) {
-      if (nb == 0 || blocks[nb - 1].n == 16) amx_block_start(blocks[nb++]);
-      amx_block_add<kD>(pr, blocks[nb - 1], run, r, h);
-    }
+    add_rows(blocks, nb, run);
     folds += amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, run.limit, blocks, nb);
   }
   amx_folds.fetch_add(folds, std::memory_order_relaxed);   // once: a locked add waits for every store before it
