@@ -273,7 +273,7 @@ def matvec(x, w, *, transposed: bool = False):
 
 def matvecs(x, ws, *, transposed: bool = False):
     """[x w for w in ws] for one row x [K] and weights [K, N_i] of one dtype (q/k/v, gate/up): one
-    call, one fan-out to the threads; with `transposed`, one [N, K] weight. As `matvec` otherwise."""
+    call, one fan-out to the threads; with `transposed`, weights [N_i, K] (x w^T). As `matvec` otherwise."""
     ws = tuple(ws)
     for w in ws:
         if w.ndim != 2 or w.dtype not in (jnp.float32, jnp.bfloat16):
@@ -281,15 +281,15 @@ def matvecs(x, ws, *, transposed: bool = False):
         k = w.shape[1] if transposed else w.shape[0]
         if x.size != k:
             raise ValueError(f"x has {x.size} elements, w {list(w.shape)} needs {k}")
-    if not ws or len({w.dtype for w in ws}) != 1 or (transposed and len(ws) != 1):
-        raise ValueError(f"matvecs takes weights of one dtype (one when transposed), got "
+    if not ws or len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"matvecs takes weights of one dtype, got "
                          f"{[f'{w.dtype}{list(w.shape)}' for w in ws]}")
     outs = tuple(jax.ShapeDtypeStruct((w.shape[0] if transposed else w.shape[1],), jnp.float32) for w in ws)
     call = jax.ffi.ffi_call(MATVEC_TARGET, outs)
     return list(call(x.reshape(x.size).astype(jnp.float32), *ws, transposed=np.int64(transposed)))
 
 
-def matmul(x, w, *, transposed: bool = False, rows=None):
+def matmul(x, w, *, transposed: bool = False, rows=None, f32_tiles: bool | None = None):
     """x [M, K] times w [K, N] (or w [N, K] when `transposed`: x w^T, the lm head on a [vocab, hidden]
     embedding) -> [M, N] float32; x and w both float32 or both bfloat16.
 
@@ -301,19 +301,30 @@ def matmul(x, w, *, transposed: bool = False, rows=None):
     the same bits as without it.
     """
     if rows is None:
-        return matmuls(x, [w], transposed=transposed)[0]
+        return matmuls(x, [w], transposed=transposed, f32_tiles=f32_tiles)[0]
     _check_operands(x, (w,), transposed)
     n_axis = 0 if transposed else 1
     call = jax.ffi.ffi_call(GEMM_ROWS_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32))
-    return call(jnp.asarray(rows, jnp.int32).reshape(()), x, w, transposed=np.int64(transposed))
+    return call(jnp.asarray(rows, jnp.int32).reshape(()), x, w, transposed=np.int64(transposed),
+                f32_tiles=np.int64(_f32_tiles_setting(f32_tiles)))
 
 
-def matmuls(x, ws, *, transposed: bool = False):
+def matmuls(x, ws, *, transposed: bool = False, f32_tiles: bool | None = None):
     """[x w for w in ws]: the projections that read the same x (q/k/v, gate/up) in one call and one
     work split (fewer, larger jobs for the threads); as `matmul` otherwise."""
     ws = tuple(ws)
     _check_operands(x, ws, transposed)
-    return list(_matmuls(x, ws, transposed))
+    return list(_matmuls(x, ws, transposed, _f32_tiles_setting(f32_tiles)))
+
+
+def f32_tiles() -> bool:
+    """float32 [N, K] weights (`transposed`) multiply on AMX tiles, each operand split into three
+    bfloat16 parts (`gemm_amx()`; JAXSERVE_F32_TILES=0 keeps the float32 FMAs, read when a step is traced)."""
+    return os.environ.get("JAXSERVE_F32_TILES", "1") != "0" and gemm_amx()
+
+
+def _f32_tiles_setting(value: bool | None) -> bool:
+    return f32_tiles() if value is None else bool(value) and gemm_amx()
 
 
 PACK_COLUMNS = 32   # a pre-packed weight's column block: the width of two AMX sum tiles
@@ -369,19 +380,19 @@ def _check_operands(x, ws, transposed: bool) -> None:
                          f"{[str(w.dtype) for w in ws]}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmuls(x, ws, transposed):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmuls(x, ws, transposed, tiles):
     n_axis = 0 if transposed else 1
     call = jax.ffi.ffi_call(GEMM_TARGET, tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[n_axis]), jnp.float32)
                                                for w in ws))
-    return tuple(call(x, *ws, transposed=np.int64(transposed)))
+    return tuple(call(x, *ws, transposed=np.int64(transposed), f32_tiles=np.int64(tiles)))
 
 
-def _matmuls_fwd(x, ws, transposed):
-    return _matmuls(x, ws, transposed), (x, ws)
+def _matmuls_fwd(x, ws, transposed, tiles):
+    return _matmuls(x, ws, transposed, tiles), (x, ws)
 
 
-def _matmuls_bwd(transposed, residuals, gs):
+def _matmuls_bwd(transposed, tiles, residuals, gs):
     x, ws = residuals
     x32 = x.astype(jnp.float32)
     kn = [w.astype(jnp.float32).T if transposed else w.astype(jnp.float32) for w in ws]   # each as [K, N]

@@ -279,8 +279,9 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
                        "padding, e.g. --token-buckets %s", len(replicas[0].runner.buckets), times["warmup"],
                        _few_buckets(replicas[0].runner.buckets))
     if jax.devices()[0].platform == "cpu" and native_cpu.available() and native_cpu.gemm_available():
-        logger.info("native matmuls of 2+ rows: %s", "bfloat16 on AMX tiles, float32 on AVX-512"
-                    if native_cpu.gemm_amx() else "AVX-512 (bfloat16 with AVX-512 BF16)")
+        amx = ("bfloat16 on AMX tiles, float32 on AMX tiles as three bfloat16 parts (6 products)"
+               if native_cpu.f32_tiles() else "bfloat16 on AMX tiles, float32 on AVX-512")
+        logger.info("native matmuls of 2+ rows: %s", amx if native_cpu.gemm_amx() else "AVX-512 (bfloat16 with AVX-512 BF16)")
     logger.info("engine ready: %s, %d replica(s) x tp %d, %d KV blocks of %d each, max_model_len %d, start-up %s",
                 checkpoint.name, len(replicas), config.tensor_parallel_size, num_blocks, config.block_size,
                 max_model_len, {k: round(v, 2) for k, v in times.items()})

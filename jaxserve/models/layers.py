@@ -102,10 +102,16 @@ def native_products(projs: list[Proj], x: jax.Array) -> list[jax.Array] | None:
     kernels = [p.kernel[...] for p in projs]
     rows, depth = x.shape[0], x[0].size
     if any(p.packed for p in projs):   # `pack_for_tiles` packs a group whole
-        if not all(p.packed for p in projs) or x.dtype != jnp.bfloat16:
-            raise ValueError("pre-packed projections take bfloat16 x, and are called together only with each other")
-        rounded = all(p.bias is None and (p.dtype or x.dtype) == jnp.bfloat16 for p in projs)
-        ys = native_cpu.matmuls_packed(x.reshape(rows, depth), kernels, jnp.bfloat16 if rounded else jnp.float32)
+        if not all(p.packed for p in projs) or x.dtype != kernels[0].dtype:
+            raise ValueError("pre-packed projections take x of their own dtype, and are called together only "
+                             "with each other")
+        if x.dtype == jnp.float32:   # [N, K] kernels: the tiles at 2+ rows, dot products at one
+            x2 = x.reshape(rows, depth)
+            ys = (native_cpu.matvecs(x2[0], kernels, transposed=True) if rows == 1
+                  else native_cpu.matmuls(x2, kernels, transposed=True))
+        else:
+            rounded = all(p.bias is None and (p.dtype or x.dtype) == jnp.bfloat16 for p in projs)
+            ys = native_cpu.matmuls_packed(x.reshape(rows, depth), kernels, jnp.bfloat16 if rounded else jnp.float32)
         return [y.reshape(rows, *p.kernel_shape[x.ndim - 1:]) for y, p in zip(ys, projs)]
     flat = [k.reshape(depth, -1) for k in kernels]
     if all(p.native_rows and native_matvec_ok(x, k) for p, k in zip(projs, kernels)) and len(set(
@@ -119,14 +125,17 @@ def native_products(projs: list[Proj], x: jax.Array) -> list[jax.Array] | None:
 
 
 def pack_for_tiles(model: nnx.Module) -> int:
-    """Lay the bfloat16 projections' kernels of `model` out for the native AMX matmul
-    (`native_cpu.pack_weight`) and mark them `packed`; returns how many were packed. Each group
-    called together (q/k/v, gate/up; o and down alone) is packed whole or not at all.
+    """Lay the projections' kernels of `model` out for the native AMX matmuls (`pack_kernel`) and mark
+    them `packed`; returns how many were packed. Each group called together (q/k/v, gate/up; o and
+    down alone) is packed whole or not at all.
 
-    A decode step's few rows on AMX tiles spent most of their time packing the weight panels
-    (strided weight rows, 512 bytes at a time); packed once here, the tiles read each weight as
-    one contiguous stream, at the same bits (benchmarks/RESULTS.md). The caller (`ModelRunner`)
-    decides when: unsharded, on a CPU with AMX, a model whose arrays it owns. Mutates `model`.
+    bfloat16: a decode step's few rows on AMX tiles spent most of their time packing the weight
+    panels (strided weight rows, 512 bytes at a time); packed once here, the tiles read each weight
+    as one contiguous stream, at the same bits. float32 (where `native_cpu.f32_tiles()`): each
+    kernel stored [N, K], whose rows the tiles split into bf16 parts (`native_cpu.matmul`'s
+    `f32_tiles`), and whose one-row products are dot products (benchmarks/RESULTS.md). The caller
+    (`ModelRunner`) decides when: unsharded, on a CPU with AMX, a model whose arrays it owns.
+    Mutates `model`.
     """
     groups = []
     for _, node in nnx.iter_graph(model):
@@ -136,14 +145,22 @@ def pack_for_tiles(model: nnx.Module) -> int:
             groups += [[node.gate_proj, node.up_proj], [node.down_proj]]
     count = 0
     for group in groups:
-        if not all(p.native_rows and not p.packed and (p.dtype or p.param_dtype) == jnp.bfloat16
-                   and native_cpu.packable(p.kernel[...].reshape(contracted_size(p), -1)) for p in group):
+        if not all(p.native_rows and not p.packed and _packable(p) for p in group):
             continue
         for p in group:
             p.kernel.set_value(pack_kernel(p.kernel[...], contracted_size(p)))
             p.packed = True
         count += len(group)
     return count
+
+
+def _packable(proj: Proj) -> bool:
+    kernel = proj.kernel[...]
+    if kernel.dtype != (proj.dtype or proj.param_dtype):
+        return False
+    if kernel.dtype == jnp.float32:
+        return native_cpu.f32_tiles()
+    return native_cpu.packable(kernel.reshape(contracted_size(proj), -1))
 
 
 def contracted_size(proj: Proj) -> int:
@@ -155,8 +172,17 @@ def contracted_size(proj: Proj) -> int:
 @functools.partial(jax.jit, static_argnums=1)
 def pack_kernel(kernel: jax.Array, depth: int) -> jax.Array:
     """A projection's kernel in its own shape (the first axes, `depth` elements, contracted with x)
-    laid out by `native_cpu.pack_weight`: what `pack_for_tiles` stores, at load and on an update."""
-    return native_cpu.pack_weight(kernel.reshape(depth, -1))
+    as `pack_for_tiles` stores it, at load and on an update: bfloat16 laid out by
+    `native_cpu.pack_weight`, float32 as [N, K]. `unpack_kernel` inverts it."""
+    flat = kernel.reshape(depth, -1)
+    return flat.T if kernel.dtype == jnp.float32 else native_cpu.pack_weight(flat)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def unpack_kernel(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The kernel of shape `shape` that `pack_kernel` laid out as `packed`."""
+    flat = packed.T if packed.dtype == jnp.float32 else native_cpu.unpack_weight(packed)
+    return flat.reshape(shape)
 
 
 def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:

@@ -39,7 +39,7 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import Proj, contracted_size, pack_for_tiles, pack_kernel
+from jaxserve.models.layers import Proj, contracted_size, pack_for_tiles, pack_kernel, unpack_kernel
 from jaxserve.runner.inputs import (PENDING, PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
                                     later_buckets, num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket,
                                     prepare_inputs, prepare_prompt_logprobs, token_buckets)
@@ -137,15 +137,10 @@ def _prompt_logprobs(model, hidden: jax.Array, prompt: PromptLogprobsInputs, k: 
 
 
 def packing_applies(config: ModelConfig, mesh: jax.sharding.Mesh) -> bool:
-    """True when a runner on `mesh` may pre-pack bf16 projections for the AMX tiles: the `cpu`
-    attention backend's native matmuls, one device, AMX usable (JAXSERVE_PACKED_WEIGHTS=0: never)."""
+    """True when a runner on `mesh` may pre-pack projections for the AMX tiles (`pack_for_tiles`): the
+    `cpu` attention backend's native matmuls, one device, AMX usable (JAXSERVE_PACKED_WEIGHTS=0: never)."""
     return (os.environ.get("JAXSERVE_PACKED_WEIGHTS", "1") != "0" and config.native_rows and mesh.devices.size == 1
             and mesh.devices.flat[0].platform == "cpu" and native_cpu.gemm_enabled() and native_cpu.gemm_amx())
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _unpack(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return native_cpu.unpack_weight(packed).reshape(shape)
 
 
 def _gather_blocks(kv_caches: list[jax.Array], block_ids: jax.Array) -> jax.Array:
@@ -240,7 +235,7 @@ class ModelRunner:
     # ---- weights and pool between steps (LLMEngine.update_params / sleep / wake_up) -----
 
     def _pack(self, model: nnx.Module) -> None:
-        """Lay the bf16 projections out for the AMX tiles (`pack_for_tiles`) in a copy of `model` (the
+        """Lay the projections out for the AMX tiles (`pack_for_tiles`) in a copy of `model` (the
         caller's model and its arrays stay as they are; a data-parallel engine builds every replica's
         runner from one model), and run the steps with it."""
         t0 = time.perf_counter()
@@ -253,7 +248,7 @@ class ModelRunner:
             if isinstance(node, Proj) and node.packed:
                 self._packed[(*path, "kernel")] = (tuple(node.kernel_shape), contracted_size(node))
         jax.block_until_ready(self.params)
-        logger.info("%d bfloat16 projections pre-packed for the AMX tiles in %.2f s", count, time.perf_counter() - t0)
+        logger.info("%d projections pre-packed for the AMX tiles in %.2f s", count, time.perf_counter() - t0)
 
     @property
     def packed_paths(self) -> tuple[tuple, ...]:
@@ -267,7 +262,7 @@ class ModelRunner:
     def param_arrays(self) -> dict[tuple, jax.Array]:
         """{param path: array} of the weights the steps run with, each in the model's own shape (a
         pre-packed kernel is unpacked into a new array)."""
-        return {path: (_unpack(a, self._packed[path][0]) if path in self._packed and a is not None else a)
+        return {path: (unpack_kernel(a, self._packed[path][0]) if path in self._packed and a is not None else a)
                 for path, a in self._stored_arrays().items()}
 
     def param_specs(self) -> dict[tuple, jax.ShapeDtypeStruct]:

@@ -55,6 +55,13 @@ constexpr int64_t kPrefetchRows = 12;  // how far ahead (in weight rows) a panel
 
 using jaxserve_native::tail_mask;
 
+// `count` words of `buffer` (grown as needed) from a 64-byte boundary.
+inline uint16_t* aligned64(std::vector<uint16_t>& buffer, int64_t count) {
+  buffer.resize(static_cast<size_t>(count + 32));
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
+}
+
 // ---- float32: MR rows x NV vectors of 16 columns, the last vector masked to `last` -----------
 
 template <int MR, int NV>
@@ -621,6 +628,170 @@ void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y,
   _tile_release();
 }
 
+// ---- float32 on AMX tiles: each operand as three bfloat16 parts -----------------------------
+//
+// A float32 v splits exactly into v = h + m + l, each a bfloat16: h is v rounded to 8
+// significant bits (to nearest even), m the rest rounded so, and l what is left (at most 8
+// bits). A product of two splits, (h + m + l)(h' + m' + l'), is nine exact bf16 products; the
+// three of order 2^-24 and below (m l', l m', l l') are left out, so the product is v v' within
+// ~2^-23 |v v'|, about one float32 rounding (XLA's BF16_BF16_F32_X6 dot algorithm; the float32
+// FMA rounds each product's sum at 2^-24). `tdpbf16ps` computes each bf16 product exactly and
+// adds in float32. The big products h h' sum in one tile, the five small ones in another, and the
+// two are added at the end: the small ones' roundings are 2^-8 of the big ones', so the sums
+// round as often as a float32 dot's. Tiles multiply ~4x as many numbers a cycle as the float32
+// FMAs (benchmarks/RESULTS.md), so six products still come out ahead.
+//
+// As for a bf16 [N, K] weight (amx_block_t), the weight rows are the first operand (split once
+// per call into a panel of 16 rows, in L2), x the second (split and k-pair interleaved once per
+// call), and each sum tile is a block of y transposed. Tiles 0-3: sums (the big and the small of
+// two 16-row blocks of x); 4-6: the weight's parts; 7: x's parts, one at a time.
+
+// The parts h, m, l of 32 floats (lo: the first 16, hi: the next), each as 32 bf16 words:
+// `vcvtne2ps2bf16` rounds to nearest even (subnormals flush to zero, as the tiles take them).
+inline void split3x32(__m512 lo, __m512 hi, __m512i parts[3]) {
+  auto widen = [](__m512i words, __m512& first, __m512& second) {   // 32 bf16 -> 2 x 16 float32
+    first = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)), 16));
+    second = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1)), 16));
+  };
+  __m512 a, b;
+  parts[0] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  widen(parts[0], a, b);
+  lo = _mm512_sub_ps(lo, a);
+  hi = _mm512_sub_ps(hi, b);
+  parts[1] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  widen(parts[1], a, b);
+  parts[2] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, b), _mm512_sub_ps(lo, a));   // exact
+}
+
+inline void load32(const float* row, int64_t K, int64_t k, __m512& lo, __m512& hi) {
+  lo = _mm512_maskz_loadu_ps(tail_mask(K - k), row + k);
+  hi = _mm512_maskz_loadu_ps(tail_mask(K - k - 16 < 0 ? 0 : K - k - 16), row + k + 16);
+}
+
+// The parts of weight rows [n0, n0 + 16) of w [N, K] (rows past N zero), k [k, k + 32), into
+// ws[3][16][K32] (K32 = K rounded up to 32; zeros past K).
+inline void split_weight_step(const float* w, int64_t N, int64_t K, int64_t K32, int64_t n0, int64_t k, uint16_t* ws) {
+  for (int64_t r = 0; r < 16; ++r) {
+    __m512i parts[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    if (n0 + r < N) {
+      __m512 lo, hi;
+      load32(w + (n0 + r) * K, K, k, lo, hi);
+      split3x32(lo, hi, parts);
+    }
+    for (int j = 0; j < 3; ++j) _mm512_store_si512(ws + (j * 16 + r) * K32 + k, parts[j]);
+    if (n0 + 16 + r < N) {   // the same k of the next 16 rows (16 slow streams: prefetch them)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + 16 + r) * K + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + 16 + r) * K + k + 16), _MM_HINT_T1);
+    }
+  }
+}
+
+// Split x lies in chunks of `cr` rows (64, or fewer x rows rounded up to 16), chunk c at
+// xs + 3 K32 cr c, as [3][K32 / 2][cr][2]: [j][p][i] holds part j of x[m, 2p] and x[m, 2p + 1]
+// for x row m = c cr + i (in the split's k order, the same for x and the weight). A chunk's tile
+// rows are then 4 cr bytes apart (larger powers of two put a tile's rows in few cache sets).
+inline int64_t x_chunk_rows(int64_t M) { return std::min<int64_t>(64, (M + 15) / 16 * 16); }
+
+// The parts of x rows [m0, m0 + 16) (rows past M zero; m0 a multiple of 16), k pairs [p0, p0 + 16).
+void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0, int64_t cr, uint16_t* xs) {
+  const int64_t K32 = (K + 31) / 32 * 32, k = 2 * p0;
+  __m512i rows[3][16];
+  for (int64_t i = 0; i < 16; ++i) {
+    if (m0 + i >= M) {
+      rows[0][i] = rows[1][i] = rows[2][i] = _mm512_setzero_si512();
+      continue;
+    }
+    __m512 lo, hi;
+    load32(x + (m0 + i) * K, K, k, lo, hi);
+    __m512i parts[3];
+    split3x32(lo, hi, parts);
+    for (int j = 0; j < 3; ++j) rows[j][i] = parts[j];   // 16 words: pairs p0 .. p0 + 15 of row i
+  }
+  for (int j = 0; j < 3; ++j) {
+    transpose16(rows[j]);   // rows[j][p]: pair p0 + p over x rows m0 .. m0 + 15
+    for (int64_t p = 0; p < 16; ++p)
+      _mm512_store_si512(xs + 3 * K32 * cr * (m0 / cr) + ((j * (K32 / 2) + p0 + p) * cr + m0 % cr) * 2, rows[j][p]);
+  }
+}
+
+// y[xm + i, n0 + c] = sum_k w[n0 + c, k] x[xm + i, k] for i < rows (<= 16 MB), c < cols (<= 16),
+// from the split weight rows ws [3][16][K32] and x's split chunk of rows xm .. (xc: [3][K32 / 2][cr][2]). With `w`, the
+// weight rows are split into ws a k step ahead of the tiles (the first pass over them).
+template <int MB>
+void f32_tiles_block(const float* w, int64_t N, int64_t K, uint16_t* ws, int64_t K32, const uint16_t* xc,
+                     int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols) {
+  const int64_t part_w = 16 * K32, part_x = K32 / 2 * cr * 2;   // words from one part to the next
+  const int64_t sw = K32 * 2, sx = cr * 4;
+  const uint16_t* x0 = xc;
+  _tile_zero(0);
+  if (MB > 1) _tile_zero(1);
+  if (MB > 2) _tile_zero(2);
+  if (MB > 3) _tile_zero(3);
+  if (w != nullptr) split_weight_step(w, N, K, K32, n0, 0, ws);
+  for (int64_t k = 0; k < K32; k += 32) {
+    _tile_loadd(4, ws + k, sw);
+    _tile_loadd(5, ws + part_w + k, sw);
+    _tile_loadd(6, ws + 2 * part_w + k, sw);
+    if (w != nullptr && k + 32 < K32) split_weight_step(w, N, K, K32, n0, k + 32, ws);
+    const uint16_t* xb = x0 + k / 2 * cr * 2;
+#define JAXSERVE_F32_TILES_BLOCK(b)                                              \
+    _tile_loadd(7, xb + 32 * b, sx);                                             \
+    _tile_dpbf16ps(b, 4, 7);                                                     \
+    _tile_dpbf16ps(b, 5, 7);                                                     \
+    _tile_dpbf16ps(b, 6, 7);                                                     \
+    _tile_loadd(7, xb + part_x + 32 * b, sx);                                    \
+    _tile_dpbf16ps(b, 4, 7);                                                     \
+    _tile_dpbf16ps(b, 5, 7);                                                     \
+    _tile_loadd(7, xb + 2 * part_x + 32 * b, sx);                                \
+    _tile_dpbf16ps(b, 4, 7);
+    JAXSERVE_F32_TILES_BLOCK(0)
+    if (MB > 1) { JAXSERVE_F32_TILES_BLOCK(1) }
+    if (MB > 2) { JAXSERVE_F32_TILES_BLOCK(2) }
+    if (MB > 3) { JAXSERVE_F32_TILES_BLOCK(3) }
+#undef JAXSERVE_F32_TILES_BLOCK
+  }
+  alignas(64) float t[4][16][16];   // t[b][weight row][x row]
+  _tile_stored(0, t[0], 64);
+  if (MB > 1) _tile_stored(1, t[1], 64);
+  if (MB > 2) _tile_stored(2, t[2], 64);
+  if (MB > 3) _tile_stored(3, t[3], 64);
+  const __mmask16 mask = tail_mask(cols);
+  for (int b = 0; b < MB && 16 * b < rows; ++b) {
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(t[b][i]);
+    transpose16(v);   // v[i]: x row xm + 16 b + i over weight rows n0 .. n0 + 15
+    for (int64_t i = 0; i < std::min<int64_t>(16, rows - 16 * b); ++i)
+      _mm512_mask_storeu_ps(y + (xm + 16 * b + i) * N + n0, mask, _mm512_castsi512_ps(v[i]));
+  }
+}
+
+// Weight rows [n0, n0 + width) of w [N, K] times x rows [m0, m1) (xs: x split in chunks of cr rows). The
+// weight rows are split once, in the first 64 x rows' pass, into a panel that stays in L2 with
+// 64 rows of split x (up to ~1.2 MB at K = 1536) for the later passes.
+void panel_f32_tiles(const float* w, const uint16_t* xs, int64_t cr, float* y, int64_t m0, int64_t m1,
+                     int64_t K, int64_t N, int64_t n0, int64_t width) {
+  const int64_t K32 = (K + 31) / 32 * 32, block_words = 3 * 16 * K32;
+  thread_local std::vector<uint16_t> buffer;
+  uint16_t* panel = aligned64(buffer, (width + 15) / 16 * block_words);
+  configure_tiles();
+  for (int64_t m = m0; m < m1; m += cr) {   // (m0 is a multiple of cr)
+    const float* split = m == m0 ? w : nullptr;   // the first pass splits the weight rows
+    const int64_t rows = std::min<int64_t>(cr, m1 - m);
+    const uint16_t* xc = xs + 3 * K32 * m;   // the chunk of rows m ..
+    for (int64_t n = n0; n < n0 + width; n += 16) {
+      uint16_t* ws = panel + (n - n0) / 16 * block_words;
+      const int64_t cols = std::min<int64_t>(16, n0 + width - n);
+      switch ((rows + 15) / 16) {
+        case 1: f32_tiles_block<1>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        case 2: f32_tiles_block<2>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        case 3: f32_tiles_block<3>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        default: f32_tiles_block<4>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+      }
+    }
+  }
+  _tile_release();
+}
+
 #else
 
 constexpr int64_t MR_AMX = 32, NR_AMX = 256;
@@ -632,8 +803,14 @@ void panel_amx_packed(const uint16_t*, const uint16_t*, float*, int64_t, int64_t
                       int64_t, uint16_t* = nullptr) {}
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                uint16_t*) {}
+void split_x_block(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
+void panel_f32_tiles(const float*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     int64_t) {}
 
 #endif
+
+// Weight rows per work item of a float32 weight on tiles (each 16 split once for all the item's x rows).
+constexpr int64_t NR_F32_TILES = 64;
 
 // ---- work split ---------------------------------------------------------------------------
 
@@ -689,7 +866,7 @@ void for_items(ffi::ThreadPool& pool, int64_t M, const std::vector<Operand>& ops
 // results): one call, one work split, for the projections that read the same x.
 // The first `rows` rows of x (clamped to [0, M]) times each weight; the results' other rows are 0.
 ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
-                    int64_t transposed, int64_t rows) {
+                    int64_t transposed, int64_t rows, int64_t f32_tiles) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("gemm takes x [M, K]");
   const int64_t M_all = xd[0], K = xd[1];
@@ -711,7 +888,27 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
     if (K > 0 && M > 0 && n > 0) ops.push_back({w->untyped_data(), yp, n});
   }
   if (ops.empty()) return ffi::Error::Success();
-  if (x.element_type() == ffi::DataType::F32) {
+  if (x.element_type() == ffi::DataType::F32 && transposed && f32_tiles && amx_permitted()) {
+    const int64_t K32 = (K + 31) / 32 * 32, cr = x_chunk_rows(M), m_pad = (M + cr - 1) / cr * cr;
+    thread_local std::vector<uint16_t> x_buffer;   // (a fresh 0.2-5 MB each call: page faults)
+    uint16_t* xs = aligned64(x_buffer, 3 * K32 * m_pad);
+    const float* xp = static_cast<const float*>(x.untyped_data());
+    // Every thread splits blocks of x from one counter before its first item (one fan-out for both).
+    const int64_t row_blocks = m_pad / 16, k_blocks = K32 / 32, blocks = row_blocks * k_blocks;
+    std::atomic<int64_t> next_block{0}, blocks_done{0};
+    auto split_x = [&] {
+      for (int64_t b; (b = next_block.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+        split_x_block(xp, M, K, b / k_blocks * 16, b % k_blocks * 16, cr, xs);
+        blocks_done.fetch_add(1, std::memory_order_release);
+      }
+      while (blocks_done.load(std::memory_order_acquire) < blocks) JAXSERVE_PAUSE();
+    };
+    for_items<float>(pool, M, ops, NR_F32_TILES, cr, K, [&](const Operand& op, int64_t n0, int64_t width,
+                                                              int64_t m0, int64_t m1, const float*, int64_t) {
+      split_x();
+      panel_f32_tiles(static_cast<const float*>(op.w), xs, cr, op.y, m0, m1, K, op.N, n0, width);
+    }, /*even_items=*/false);
+  } else if (x.element_type() == ffi::DataType::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
     for_items<float>(pool, M, ops, NR_F32, MR_F32, transposed ? K : 0, [&](const Operand& op, int64_t n0, int64_t width, int64_t m0,
                                                        int64_t m1, const float* next, int64_t next_ld) {
@@ -801,14 +998,14 @@ ffi::Error GemmPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Remaining
 }
 
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
-                    int64_t transposed) {
-  return GemmRows(pool, x, ws, ys, transposed, std::numeric_limits<int64_t>::max());
+                    int64_t transposed, int64_t f32_tiles) {
+  return GemmRows(pool, x, ws, ys, transposed, std::numeric_limits<int64_t>::max(), f32_tiles);
 }
 
 ffi::Error GemmValidRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer x, ffi::RemainingArgs ws,
-                             ffi::RemainingRets ys, int64_t transposed) {
+                             ffi::RemainingRets ys, int64_t transposed, int64_t f32_tiles) {
   if (rows.element_count() != 1) return ffi::Error::InvalidArgument("gemm's row count is one int32");
-  return GemmRows(pool, x, ws, ys, transposed, rows.typed_data()[0]);
+  return GemmRows(pool, x, ws, ys, transposed, rows.typed_data()[0], f32_tiles);
 }
 
 }  // namespace
@@ -821,11 +1018,11 @@ extern "C" int JaxserveGemmSupported() { return 0; }
 extern "C" int JaxserveGemmAmx() { return 0; }
 
 namespace {
-ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets, int64_t) {
+ffi::Error GemmImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets, int64_t, int64_t) {
   return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
 }
 ffi::Error GemmValidRowsImpl(ffi::ThreadPool, ffi::Buffer<ffi::S32>, ffi::AnyBuffer, ffi::RemainingArgs,
-                             ffi::RemainingRets, int64_t) {
+                             ffi::RemainingRets, int64_t, int64_t) {
   return ffi::Error::Internal("jaxserve_gemm was built without AVX-512 BF16");
 }
 ffi::Error GemmPackedImpl(ffi::ThreadPool, ffi::AnyBuffer, ffi::RemainingArgs, ffi::RemainingRets) {
@@ -841,7 +1038,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .RemainingArgs()                // weights w_i [K, N_i]
                                   .RemainingRets()                // results y_i [M, N_i] float32
-                                  .Attr<int64_t>("transposed"));  // 1: the weights are [N_i, K]
+                                  .Attr<int64_t>("transposed")    // 1: the weights are [N_i, K]
+                                  .Attr<int64_t>("f32_tiles"));   // 1: float32 [N_i, K] weights on AMX tiles
 
 // As JaxserveGemm, for the first `rows` rows of x only (a step's sampling rows before its padding):
 // the other rows of the results are 0.
@@ -852,7 +1050,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGemmValidRows, GemmValidRowsImpl,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .RemainingArgs()                // weights
                                   .RemainingRets()                // results [M, N_i] float32
-                                  .Attr<int64_t>("transposed"));
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<int64_t>("f32_tiles"));
 
 // x [M, K] bfloat16 times weights pre-packed for the tiles ([N_i / 32, K / 2, 32, 2]; AMX only), into
 // float32 or bfloat16 results.

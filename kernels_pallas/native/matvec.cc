@@ -6,10 +6,12 @@
 // intra-op threads (parallel.h), in its stored type.
 //
 // Inputs: x [K] float32; one or more weights w_i [K, N_i] (transposed = 0: y_i[n] = sum_k x[k]
-// w_i[k, n]; q/k/v or gate/up in one call) or one [N, K] (transposed = 1: y[n] = sum_k w[n, k]
-// x[k], the lm head's layout), float32 or bfloat16. Outputs: y_i [N_i] float32.
+// w_i[k, n]) or [N_i, K] (transposed = 1: y_i[n] = sum_k w_i[n, k] x[k], the lm head's layout and
+// the float32 projections pre-packed for the AMX tiles), q/k/v or gate/up in one call, float32 or
+// bfloat16. Outputs: y_i [N_i] float32.
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 #include <vector>
 
@@ -107,6 +109,24 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
+
+// dot_row of 4 float32 rows side by side (4 streams, one chain each): the float32 projections
+// pre-packed [N, K] for the tiles read ~5% faster so at one row than [K, N] rows (benchmarks/RESULTS.md).
+template <typename T>
+inline void dot_rows4(const float* x, const T* w, int64_t K, float* y) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(load16(w + r * K + k), xv, a[r]);
+  }
+  if (k < K) {
+    const __mmask16 m = jaxserve_native::tail_mask(K - k);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
+    for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(load16(w + r * K + k, m), xv, a[r]);
+  }
+  for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(a[r]);
+}
 #else
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {
@@ -117,20 +137,31 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
 }
 #endif
 
-// w [N, K]: one dot product per output, the outputs cut into a few runs per thread (a late
-// helper leaves less to the others).
+// w_i [N_i, K]: one dot product per output, the outputs of every weight (q/k/v in one call) cut
+// into a few runs per thread (a late helper leaves less to the others).
 template <typename T>
-void dots(ffi::ThreadPool& pool, const float* x, const T* w, float* y, int64_t K, int64_t N) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(N, 4 * threads);
+void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops, int64_t K) {
+  int64_t total = 0;
+  for (const Operand& op : ops) total += op.N;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(total, 4 * threads);
   jaxserve_native::parallel_for(pool, runs, threads, [&](int64_t r) {
-    for (int64_t n = N * r / runs, end = N * (r + 1) / runs; n < end; ++n) y[n] = dot_row(x, w + n * K, K);
+    int64_t n = total * r / runs, end = total * (r + 1) / runs, first = 0;   // rows of the weights end to end
+    for (const Operand& op : ops) {
+      const T* w = static_cast<const T*>(op.w);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      if constexpr (std::is_same_v<T, float>)   // (bf16 rows: level or slower so, measured)
+        for (; n + 4 <= end && n + 4 <= first + op.N; n += 4) dot_rows4(x, w + (n - first) * K, K, op.y + n - first);
+#endif
+      for (; n < end && n < first + op.N; ++n) op.y[n - first] = dot_row(x, w + (n - first) * K, K);
+      first += op.N;
+    }
   });
 }
 
 ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys,
                       int64_t transposed) {
-  if (ws.size() == 0 || ws.size() != ys.size() || (transposed && ws.size() != 1))
-    return ffi::Error::InvalidArgument("matvec takes one result per weight (one weight when transposed)");
+  if (ws.size() == 0 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("matvec takes one result per weight");
   const int64_t K = static_cast<int64_t>(x.element_count());
   std::vector<Operand> ops;
   ffi::DataType type = ffi::DataType::F32;
@@ -151,11 +182,9 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   }
   const float* xp = x.typed_data();
   if (type == ffi::DataType::F32) {
-    transposed ? dots(pool, xp, static_cast<const float*>(ops[0].w), ops[0].y, K, ops[0].N)
-               : rows_times<float>(pool, xp, ops, K);
+    transposed ? dots<float>(pool, xp, ops, K) : rows_times<float>(pool, xp, ops, K);
   } else {
-    transposed ? dots(pool, xp, static_cast<const uint16_t*>(ops[0].w), ops[0].y, K, ops[0].N)
-               : rows_times<uint16_t>(pool, xp, ops, K);
+    transposed ? dots<uint16_t>(pool, xp, ops, K) : rows_times<uint16_t>(pool, xp, ops, K);
   }
   return ffi::Error::Success();
 }

@@ -4,6 +4,7 @@ native matvec (the batch-1 path), and 2+ rows of float32 or bf16 through the nat
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,18 +71,22 @@ def test_matvec_against_numpy(dtype, transposed, k, n):
         native_cpu.matvec(x[:-1], w, transposed=transposed)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matvecs_share_one_call(dtype):
-    """One row through q/k/v-like weights of different widths in one call: each result equals its own
-    product, and the attention's projections lower to one custom call."""
+def test_matvecs_share_one_call(dtype, transposed):
+    """One row through q/k/v-like weights of different widths in one call (widths that are and are not
+    multiples of the [N, K] path's 4 rows, runs of the threads crossing from one weight to the next):
+    each result equals its own product, and the attention's projections lower to one custom call."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal(96).astype(np.float32)
-    ws = [jnp.asarray(rng.standard_normal((96, n)), dtype) for n in (96, 32, 32, 50)]
-    got = jax.jit(native_cpu.matvecs)(x, ws)
+    ws = [jnp.asarray(rng.standard_normal((n, 96) if transposed else (96, n)), dtype) for n in (96, 32, 33, 50, 3)]
+    call = jax.jit(functools.partial(native_cpu.matvecs, transposed=transposed))
+    got = call(x, ws)
     for g, w in zip(got, ws):
-        want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+        w64 = np.asarray(w.astype(jnp.float32), np.float64)
+        want = w64 @ x if transposed else x.astype(np.float64) @ w64
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-5)
-    assert jax.jit(native_cpu.matvecs).lower(x, ws).as_text().count("jaxserve_matvec") == 1
+    assert call.lower(x, ws).as_text().count("jaxserve_matvec") == 1
     projs = [native_and_plain("td,dhk->thk", dtype, rows=1)[0] for _ in range(3)]
     one_row = jnp.asarray(rng.standard_normal((1, 24)), dtype)
     lowered = jax.jit(lambda x: project_together(projs, x)).lower(one_row).as_text()
@@ -90,7 +95,7 @@ def test_matvecs_share_one_call(dtype):
 
 @pytest.mark.parametrize("ws,transposed,match", [
     ([jnp.zeros((8, 4)), jnp.zeros((8, 4), jnp.bfloat16)], False, "one dtype"),
-    ([jnp.zeros((4, 8)), jnp.zeros((4, 8))], True, "one when transposed"),
+    ([jnp.zeros((4, 8)), jnp.zeros((4, 7))], True, "x has 8 elements"),   # [N, K]: the second one's K
     ([jnp.zeros((8, 4), jnp.int32)], False, "float32 or bfloat16 matrix"),
     ([jnp.zeros((7, 4))], False, "x has 8 elements"),
 ])
@@ -148,15 +153,61 @@ def test_matmul_of_the_first_rows_only(dtype, transposed):
 
 @needs_gemm
 def test_float32_lm_head_rows_take_the_same_sums_either_layout():
-    """A [N, K] float32 weight (packed transposed) gives each output the same bits as the weight
-    [K, N] read in place, whatever the row count."""
+    """On the float32 FMAs, a [N, K] weight (packed transposed) gives each output the same bits as the
+    weight [K, N] read in place, whatever the row count."""
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal((70, 1100)), jnp.float32)     # K over one 1,024 block
     w = jnp.asarray(rng.standard_normal((1100, 203)), jnp.float32)    # N past the last 8-row group
-    whole = np.asarray(jax.jit(native_cpu.matmul)(x, w))
-    transposed = jax.jit(functools.partial(native_cpu.matmul, transposed=True))
+    whole = np.asarray(jax.jit(functools.partial(native_cpu.matmul, f32_tiles=False))(x, w))
+    transposed = jax.jit(functools.partial(native_cpu.matmul, transposed=True, f32_tiles=False))
     for rows in (2, 9, 48, 49, 70):
         np.testing.assert_array_equal(np.asarray(transposed(x[:rows], w.T)), whole[:rows])
+
+
+needs_f32_tiles = pytest.mark.skipif(not native_cpu.f32_tiles(), reason="no AMX on this CPU (or JAXSERVE_AMX=0, "
+                                                                        "JAXSERVE_F32_TILES=0)")
+
+
+def _error_units(got, x, w_nk):
+    """|got - x w^T| over sum_k |x w|, in units of 2^-24 (a float32 rounding), from float64."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w_nk, np.float64)
+    return np.abs(np.asarray(got, np.float64) - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T) * 2.0 ** 24
+
+
+@needs_f32_tiles
+@pytest.mark.parametrize("m,k,n", [(64, 576, 960), (64, 1536, 576), (300, 576, 200), (16, 576, 49152 // 16),
+                                   (5, 70, 40)], ids=str)
+def test_float32_tiles_are_as_accurate_as_the_float32_fmas(m, k, n):
+    """A [N, K] float32 weight on the tiles (each operand split into three bf16 parts, six products):
+    against float64, its worst error is within a few float32 roundings of sum |x w| and no larger
+    than the FMA path's on the same numbers, its typical error smaller. (A product part left out
+    would cost 2^-16 of sum |x w|, 256 of these units.)"""
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)
+    tiles = _error_units(jax.jit(functools.partial(native_cpu.matmul, transposed=True, f32_tiles=True))(x, w), x, w)
+    fmas = _error_units(jax.jit(functools.partial(native_cpu.matmul, transposed=True, f32_tiles=False))(x, w), x, w)
+    assert tiles.max() <= 4 and tiles.max() <= max(fmas.max(), 2)
+    assert np.sqrt(np.mean(tiles ** 2)) <= np.sqrt(np.mean(fmas ** 2))
+
+
+@needs_f32_tiles
+def test_float32_tile_rows_do_not_depend_on_the_rows_beside_them():
+    """Each row of the float32 tiles is the same bits whatever the row count (x is split in chunks of
+    up to 64 rows, blocks of 16), with and without `rows`; a NaN in one row stays in that row."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((150, 200)), jnp.float32)    # K past a 32 block
+    w = jnp.asarray(rng.standard_normal((75, 200)), jnp.float32)     # N past a 16-row block
+    run = jax.jit(functools.partial(native_cpu.matmul, transposed=True, f32_tiles=True))
+    whole = np.asarray(run(x, w))
+    for rows in (2, 15, 16, 17, 63, 64, 65, 129):
+        np.testing.assert_array_equal(np.asarray(run(x[:rows], w)), whole[:rows])
+    first = jax.jit(lambda x, w, r: native_cpu.matmul(x, w, transposed=True, rows=r, f32_tiles=True))
+    got = np.asarray(first(x, w, np.int32(70)))
+    np.testing.assert_array_equal(got[:70], whole[:70])
+    assert not got[70:].any()
+    poisoned = np.asarray(run(x.at[3, 7].set(jnp.nan), w))
+    assert np.isnan(poisoned[3]).all() and np.array_equal(np.delete(poisoned, 3, 0), np.delete(whole, 3, 0))
 
 
 @needs_gemm
