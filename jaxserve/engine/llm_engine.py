@@ -477,10 +477,11 @@ class LLMEngine:
         LoRA projections), in any form `LLMEngine(params=...)` takes, with the engine's shapes and
         dtypes. No step compiles again (the compiled steps take params as an argument). The prefix
         cache is emptied: its KV was computed by the old weights. Refused while requests are in
-        flight; a refused update leaves the old weights serving. An engine that pre-packed its bf16
-        projections for AMX tiles (it loaded its weights itself) packs the new ones into its own
-        copies (~80 ms for the default model; the first update compiles the packing per shape);
-        otherwise arrays already in place are served as they are, not copied."""
+        flight; a refused update leaves the old weights serving. An engine that pre-packed its
+        projections for AMX tiles (it loaded its weights itself; bf16 in the tiles' layout, float32
+        as [N, K]) packs the new ones into its own copies (~80 ms for the default bf16 model; the
+        first update compiles the packing per shape); other arrays already in place are served as
+        they are, not copied."""
         self._require_idle("update_params")
         if self.sleep_level >= 2:
             raise RuntimeError("the weights are offloaded (sleep(level=2)): call wake_up() first")

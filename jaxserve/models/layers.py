@@ -44,8 +44,10 @@ class Proj(nnx.Einsum):
     through the native CPU matvec, which streams the weight in place,
     and 2+ rows through the native register-tiled matmul (`native_cpu.matmul`, 1.1-2x XLA's
     rate at the model's shapes, most at decode-sized row counts; benchmarks/RESULTS.md).
-    `packed` (set by `pack_for_tiles`): the kernel is laid out for the AMX tiles, and every row
-    count, one included, takes `native_cpu.matmuls_packed`.
+    `packed` (set by `pack_for_tiles`): the kernel is laid out for the AMX tiles. bfloat16: every
+    row count, one included, takes `native_cpu.matmuls_packed`; float32 (stored [N, K]): 2+ rows
+    take `native_cpu.matmuls(transposed=True)` (the tiles, as three bf16 parts), one row
+    `native_cpu.matvecs(transposed=True)`.
     """
 
     def __init__(self, einsum_str: str, kernel_shape, bias_shape=None, *, dtype, param_dtype, rngs: nnx.Rngs,

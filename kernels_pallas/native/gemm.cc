@@ -25,6 +25,9 @@
 // JaxserveGemmPacked (AMX only): bfloat16 weights the engine laid out at load in the tiles'
 // layout ([N/32, K/2, 32, 2], native_cpu.pack_weight), read where they lie with no packing,
 // tiles configured for each block's 1-32 rows; results float32, or bfloat16 rounded in the kernel.
+//
+// With `f32_tiles` (AMX only), float32 operands with a [N, K] weight run on the tiles as three
+// bfloat16 parts each (panel_f32_tiles).
 
 #include <algorithm>
 #include <cstdint>
@@ -33,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <utility>
+#include <thread>
 #include <vector>
 
 #include "amx.h"
@@ -365,7 +369,7 @@ constexpr int64_t MR_AMX = 32;
 // 60-63 ms. The engine's own bf16 projections come pre-packed (panel_amx_packed): no packing.
 constexpr int64_t NR_AMX = 256;
 
-void configure_tiles() {   // tiles 0-3: sums; 4-5: x; 6-7: weights; each 16 rows of 64 bytes
+void configure_tiles() {   // every tile 16 rows of 64 bytes (how each kernel uses them: at its loop)
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   jaxserve_native::load_tile_config(cfg);
@@ -630,21 +634,26 @@ void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y,
 
 // ---- float32 on AMX tiles: each operand as three bfloat16 parts -----------------------------
 //
-// A float32 v splits exactly into v = h + m + l, each a bfloat16: h is v rounded to 8
-// significant bits (to nearest even), m the rest rounded so, and l what is left (at most 8
-// bits). A product of two splits, (h + m + l)(h' + m' + l'), is nine exact bf16 products; the
-// three of order 2^-24 and below (m l', l m', l l') are left out, so the product is v v' within
-// ~2^-23 |v v'|, about one float32 rounding (XLA's BF16_BF16_F32_X6 dot algorithm; the float32
-// FMA rounds each product's sum at 2^-24). `tdpbf16ps` computes each bf16 product exactly and
-// adds in float32. The big products h h' sum in one tile, the five small ones in another, and the
-// two are added at the end: the small ones' roundings are 2^-8 of the big ones', so the sums
-// round as often as a float32 dot's. Tiles multiply ~4x as many numbers a cycle as the float32
-// FMAs (benchmarks/RESULTS.md), so six products still come out ahead.
+// A float32 v splits into v = h + m + l, each a bfloat16: h is v rounded to 8 significant bits
+// (to nearest even), m the rest rounded so, and l what is left (at most 8 bits); exactly, for
+// |v| from ~2^-110 (below, a part under float32's normal range is dropped: the conversion and
+// the tiles take subnormals as 0) up to ~3.39e38 (above, h rounds to inf). A product of two
+// splits, (h + m + l)(h' + m' + l'), is nine exact bf16 products; the three of order 2^-24 and
+// below (m l', l m', l l') are left out, so the product is v v' within ~2^-23 |v v'|, about one
+// float32 rounding (XLA's BF16_BF16_F32_X6 dot algorithm). `tdpbf16ps` computes each bf16
+// product exactly and adds in float32, the six of an element into one sum tile. Against float64,
+// at the model's K (576, 1,536) the worst error is 1.2-2.6 float32 roundings of sum |x w|
+// against the float32 FMAs' 1.7-6.5; at a K of a few dozen it is up to ~4.5 against their ~1-3
+// (benchmarks/RESULTS.md). An output that comes out inf or NaN (an inf or NaN operand, a value
+// past the split's range, a sum that overflows) is computed again by float32 FMAs, so it is
+// what they give. Tiles multiply ~4x as many numbers a cycle as the float32 FMAs, so six
+// products still come out ahead.
 //
-// As for a bf16 [N, K] weight (amx_block_t), the weight rows are the first operand (split once
-// per call into a panel of 16 rows, in L2), x the second (split and k-pair interleaved once per
-// call), and each sum tile is a block of y transposed. Tiles 0-3: sums (the big and the small of
-// two 16-row blocks of x); 4-6: the weight's parts; 7: x's parts, one at a time.
+// As for a bf16 [N, K] weight (amx_block_t), the weight rows are the first operand (each 16
+// split once per work item, kept for its later 64-row passes: in L2 up to K ~2,000), x the
+// second (split and k-pair interleaved once per call), and each sum tile is a block of y
+// transposed. Tiles 0-3: the sums of up to four 16-row blocks of x; 4-6: the weight's parts; 7:
+// x's parts, one at a time.
 
 // The parts h, m, l of 32 floats (lo: the first 16, hi: the next), each as 32 bf16 words:
 // `vcvtne2ps2bf16` rounds to nearest even (subnormals flush to zero, as the tiles take them).
@@ -686,11 +695,10 @@ inline void split_weight_step(const float* w, int64_t N, int64_t K, int64_t K32,
   }
 }
 
-// Split x lies in chunks of `cr` rows (64, or fewer x rows rounded up to 16), chunk c at
-// xs + 3 K32 cr c, as [3][K32 / 2][cr][2]: [j][p][i] holds part j of x[m, 2p] and x[m, 2p + 1]
-// for x row m = c cr + i (in the split's k order, the same for x and the weight). A chunk's tile
-// rows are then 4 cr bytes apart (larger powers of two put a tile's rows in few cache sets).
-inline int64_t x_chunk_rows(int64_t M) { return std::min<int64_t>(64, (M + 15) / 16 * 16); }
+// Split x lies in chunks of `cr` rows (x_chunk_rows), chunk c at xs + 3 K32 cr c, as
+// [3][K32 / 2][cr][2]: [j][p][i] holds part j of x[m, 2p] and x[m, 2p + 1] for x row m = c cr + i
+// (in the split's k order, the same for x and the weight). A chunk's tile rows are then 4 cr
+// bytes apart (larger powers of two put a tile's rows in few cache sets).
 
 // The parts of x rows [m0, m0 + 16) (rows past M zero; m0 a multiple of 16), k pairs [p0, p0 + 16).
 void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0, int64_t cr, uint16_t* xs) {
@@ -714,12 +722,29 @@ void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0,
   }
 }
 
+// Lanes `lanes` of `out` (lane c: weight row w + c K) replaced by float32 FMA dot products with x.
+inline __m512 fma_dots(const float* x, const float* w, int64_t K, __m512 out, __mmask16 lanes) {
+  alignas(64) float o[16];
+  _mm512_store_ps(o, out);
+  for (int c = 0; c < 16; ++c) {
+    if (!((lanes >> c) & 1)) continue;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = tail_mask(K - k);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + c * K + k), acc);
+    }
+    o[c] = _mm512_reduce_add_ps(acc);
+  }
+  return _mm512_load_ps(o);
+}
+
 // y[xm + i, n0 + c] = sum_k w[n0 + c, k] x[xm + i, k] for i < rows (<= 16 MB), c < cols (<= 16),
-// from the split weight rows ws [3][16][K32] and x's split chunk of rows xm .. (xc: [3][K32 / 2][cr][2]). With `w`, the
-// weight rows are split into ws a k step ahead of the tiles (the first pass over them).
+// from the split weight rows ws [3][16][K32] and x's split chunk of rows xm .. (xc: [3][K32 / 2][cr][2]).
+// With `split`, the weight rows are split into ws a k step ahead of the tiles (the first pass
+// over them). x and w as they are: for outputs that come out inf or NaN.
 template <int MB>
-void f32_tiles_block(const float* w, int64_t N, int64_t K, uint16_t* ws, int64_t K32, const uint16_t* xc,
-                     int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols) {
+void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int64_t K, uint16_t* ws, int64_t K32,
+                     const uint16_t* xc, int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols) {
   const int64_t part_w = 16 * K32, part_x = K32 / 2 * cr * 2;   // words from one part to the next
   const int64_t sw = K32 * 2, sx = cr * 4;
   const uint16_t* x0 = xc;
@@ -727,12 +752,12 @@ void f32_tiles_block(const float* w, int64_t N, int64_t K, uint16_t* ws, int64_t
   if (MB > 1) _tile_zero(1);
   if (MB > 2) _tile_zero(2);
   if (MB > 3) _tile_zero(3);
-  if (w != nullptr) split_weight_step(w, N, K, K32, n0, 0, ws);
+  if (split) split_weight_step(w, N, K, K32, n0, 0, ws);
   for (int64_t k = 0; k < K32; k += 32) {
     _tile_loadd(4, ws + k, sw);
     _tile_loadd(5, ws + part_w + k, sw);
     _tile_loadd(6, ws + 2 * part_w + k, sw);
-    if (w != nullptr && k + 32 < K32) split_weight_step(w, N, K, K32, n0, k + 32, ws);
+    if (split && k + 32 < K32) split_weight_step(w, N, K, K32, n0, k + 32, ws);
     const uint16_t* xb = x0 + k / 2 * cr * 2;
 #define JAXSERVE_F32_TILES_BLOCK(b)                                              \
     _tile_loadd(7, xb + 32 * b, sx);                                             \
@@ -760,32 +785,37 @@ void f32_tiles_block(const float* w, int64_t N, int64_t K, uint16_t* ws, int64_t
     __m512i v[16];
     for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(t[b][i]);
     transpose16(v);   // v[i]: x row xm + 16 b + i over weight rows n0 .. n0 + 15
-    for (int64_t i = 0; i < std::min<int64_t>(16, rows - 16 * b); ++i)
-      _mm512_mask_storeu_ps(y + (xm + 16 * b + i) * N + n0, mask, _mm512_castsi512_ps(v[i]));
+    for (int64_t i = 0; i < std::min<int64_t>(16, rows - 16 * b); ++i) {
+      const int64_t m = xm + 16 * b + i;
+      __m512 out = _mm512_castsi512_ps(v[i]);
+      const __mmask16 odd = _mm512_fpclass_ps_mask(out, 0x99) & mask;   // NaN or inf: the FMAs' value
+      if (odd) out = fma_dots(x + m * K, w + n0 * K, K, out, odd);
+      _mm512_mask_storeu_ps(y + m * N + n0, mask, out);
+    }
   }
 }
 
 // Weight rows [n0, n0 + width) of w [N, K] times x rows [m0, m1) (xs: x split in chunks of cr rows). The
 // weight rows are split once, in the first 64 x rows' pass, into a panel that stays in L2 with
 // 64 rows of split x (up to ~1.2 MB at K = 1536) for the later passes.
-void panel_f32_tiles(const float* w, const uint16_t* xs, int64_t cr, float* y, int64_t m0, int64_t m1,
-                     int64_t K, int64_t N, int64_t n0, int64_t width) {
+void panel_f32_tiles(const float* x, const float* w, const uint16_t* xs, int64_t cr, float* y, int64_t m0,
+                     int64_t m1, int64_t K, int64_t N, int64_t n0, int64_t width) {
   const int64_t K32 = (K + 31) / 32 * 32, block_words = 3 * 16 * K32;
   thread_local std::vector<uint16_t> buffer;
   uint16_t* panel = aligned64(buffer, (width + 15) / 16 * block_words);
   configure_tiles();
   for (int64_t m = m0; m < m1; m += cr) {   // (m0 is a multiple of cr)
-    const float* split = m == m0 ? w : nullptr;   // the first pass splits the weight rows
+    const bool split = m == m0;   // the first pass splits the weight rows
     const int64_t rows = std::min<int64_t>(cr, m1 - m);
     const uint16_t* xc = xs + 3 * K32 * m;   // the chunk of rows m ..
     for (int64_t n = n0; n < n0 + width; n += 16) {
       uint16_t* ws = panel + (n - n0) / 16 * block_words;
       const int64_t cols = std::min<int64_t>(16, n0 + width - n);
       switch ((rows + 15) / 16) {
-        case 1: f32_tiles_block<1>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
-        case 2: f32_tiles_block<2>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
-        case 3: f32_tiles_block<3>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
-        default: f32_tiles_block<4>(split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        case 1: f32_tiles_block<1>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        case 2: f32_tiles_block<2>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        case 3: f32_tiles_block<3>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        default: f32_tiles_block<4>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
       }
     }
   }
@@ -804,13 +834,16 @@ void panel_amx_packed(const uint16_t*, const uint16_t*, float*, int64_t, int64_t
 void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                uint16_t*) {}
 void split_x_block(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
-void panel_f32_tiles(const float*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                     int64_t) {}
+void panel_f32_tiles(const float*, const float*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, int64_t) {}
 
 #endif
 
 // Weight rows per work item of a float32 weight on tiles (each 16 split once for all the item's x rows).
 constexpr int64_t NR_F32_TILES = 64;
+
+// Rows of a chunk of split x (float32 on tiles): 64, or fewer x rows rounded up to 16.
+inline int64_t x_chunk_rows(int64_t M) { return std::min<int64_t>(64, (M + 15) / 16 * 16); }
 
 // ---- work split ---------------------------------------------------------------------------
 
@@ -890,8 +923,13 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
   if (ops.empty()) return ffi::Error::Success();
   if (x.element_type() == ffi::DataType::F32 && transposed && f32_tiles && amx_permitted()) {
     const int64_t K32 = (K + 31) / 32 * 32, cr = x_chunk_rows(M), m_pad = (M + cr - 1) / cr * cr;
-    thread_local std::vector<uint16_t> x_buffer;   // (a fresh 0.2-5 MB each call: page faults)
-    uint16_t* xs = aligned64(x_buffer, 3 * K32 * m_pad);
+    // The split x: kept by the calling thread up to 16 MB (a fresh buffer each call faults its pages
+    // in again), larger ones (long prefills of wide models) freed on return.
+    constexpr int64_t kKeptWords = int64_t{8} << 20;
+    thread_local std::vector<uint16_t> kept;
+    std::vector<uint16_t> once;
+    const int64_t words = 3 * K32 * m_pad;
+    uint16_t* xs = aligned64(words <= kKeptWords ? kept : once, words);
     const float* xp = static_cast<const float*>(x.untyped_data());
     // Every thread splits blocks of x from one counter before its first item (one fan-out for both).
     const int64_t row_blocks = m_pad / 16, k_blocks = K32 / 32, blocks = row_blocks * k_blocks;
@@ -901,12 +939,15 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
         split_x_block(xp, M, K, b / k_blocks * 16, b % k_blocks * 16, cr, xs);
         blocks_done.fetch_add(1, std::memory_order_release);
       }
-      while (blocks_done.load(std::memory_order_acquire) < blocks) JAXSERVE_PAUSE();
+      for (int spins = 0; blocks_done.load(std::memory_order_acquire) < blocks; ++spins) {
+        if (spins < 4096) JAXSERVE_PAUSE();
+        else std::this_thread::yield();   // a preempted thread holds a block
+      }
     };
     for_items<float>(pool, M, ops, NR_F32_TILES, cr, K, [&](const Operand& op, int64_t n0, int64_t width,
                                                               int64_t m0, int64_t m1, const float*, int64_t) {
       split_x();
-      panel_f32_tiles(static_cast<const float*>(op.w), xs, cr, op.y, m0, m1, K, op.N, n0, width);
+      panel_f32_tiles(xp, static_cast<const float*>(op.w), xs, cr, op.y, m0, m1, K, op.N, n0, width);
     }, /*even_items=*/false);
   } else if (x.element_type() == ffi::DataType::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());

@@ -110,22 +110,27 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// dot_row of 4 float32 rows side by side (4 streams, one chain each): the float32 projections
-// pre-packed [N, K] for the tiles read ~5% faster so at one row than [K, N] rows (benchmarks/RESULTS.md).
+// dot_row of 4 float32 rows side by side (4 streams): each row's sums in dot_row's order, so the
+// same bits whichever way its run is cut. The float32 projections pre-packed [N, K] for the tiles
+// read ~5% faster so at one row than [K, N] rows (benchmarks/RESULTS.md).
 template <typename T>
 inline void dot_rows4(const float* x, const T* w, int64_t K, float* y) {
-  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 a0[4], a1[4];
+  for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(load16(w + r * K + k), xv, a[r]);
+  for (; k + 32 <= K; k += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int r = 0; r < 4; ++r) {
+      a0[r] = _mm512_fmadd_ps(load16(w + r * K + k), x0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(load16(w + r * K + k + 16), x1, a1[r]);
+    }
   }
-  if (k < K) {
+  for (; k < K; k += 16) {
     const __mmask16 m = jaxserve_native::tail_mask(K - k);
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-    for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(load16(w + r * K + k, m), xv, a[r]);
+    for (int r = 0; r < 4; ++r) a0[r] = _mm512_fmadd_ps(load16(w + r * K + k, m), xv, a0[r]);
   }
-  for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(a[r]);
+  for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 #else
 template <typename T>

@@ -8,6 +8,10 @@ does not divide the token count (padded tiles).
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +153,23 @@ def test_native_kernel_builds_here():
     from kernels_pallas import native_cpu
     assert native_cpu.available()
     assert native_cpu.build().exists()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None,
+                    reason="an x86 machine with a C++ compiler")
+@pytest.mark.parametrize("target", [["-march=native", "-mno-amx-tile", "-mno-amx-bf16"],   # AVX-512 BF16, no AMX
+                                    ["-march=icelake-server"],                            # AVX-512, no BF16
+                                    ["-march=x86-64-v3"]],                                # AVX2
+                         ids=["no-amx", "no-bf16", "avx2"])
+def test_the_kernels_compile_for_cpus_without_this_ones_features(target):
+    """The library is built with -march=native on the user's machine: every source must compile where
+    AMX, AVX-512 BF16 or AVX-512 are missing (each feature's code is compiled out, a stub stays)."""
+    flags = [f for f in native_cpu._FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    procs = [subprocess.Popen(["c++", *flags, *target, "-fsyntax-only", f"-I{jax.ffi.include_dir()}", str(src)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for src in native_cpu.SOURCES]
+    errors = [(src.name, proc.communicate()[1]) for src, proc in zip(native_cpu.SOURCES, procs)]
+    assert all(proc.returncode == 0 for proc in procs), [(name, err[-1500:]) for name, err in errors if "error" in err]
 
 
 def test_a_failing_compiler_is_named_and_leaves_no_build_folder(tmp_path, monkeypatch):
