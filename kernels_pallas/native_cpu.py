@@ -298,7 +298,10 @@ def matmul(x, w, *, transposed: bool = False, rows=None, f32_tiles: bool | None 
     jnp dots), so a model's training path may run through it. Call `gemm_available()` first.
     `rows` (an int32 scalar, traced or not; not differentiable): compute only x's first `rows`
     rows, the rest of the result is 0 (a step's padding rows cost nothing); each computed row is
-    the same bits as without it.
+    the same bits as without it. `f32_tiles` (None: `f32_tiles()`): float32 operands with a [N, K]
+    weight (`transposed`) run on AMX tiles, each operand split into three bfloat16 parts (six
+    products summed in float32; outputs that come out inf or NaN computed again by float32 FMAs),
+    where the CPU has them; False keeps the FMAs.
     """
     if rows is None:
         return matmuls(x, [w], transposed=transposed, f32_tiles=f32_tiles)[0]
