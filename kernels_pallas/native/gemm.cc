@@ -36,7 +36,6 @@
 #include <limits>
 #include <memory>
 #include <utility>
-#include <thread>
 #include <vector>
 
 #include "amx.h"
@@ -722,19 +721,13 @@ void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0,
   }
 }
 
-// Lanes `lanes` of `out` (lane c: weight row w + c K) replaced by float32 FMA dot products with x.
+// Lanes `lanes` of `out` (lane c: weight row w + c K) replaced by float32 FMA dot products with x
+// (the one-row matvec's `dot_rows`).
 inline __m512 fma_dots(const float* x, const float* w, int64_t K, __m512 out, __mmask16 lanes) {
   alignas(64) float o[16];
   _mm512_store_ps(o, out);
-  for (int c = 0; c < 16; ++c) {
-    if (!((lanes >> c) & 1)) continue;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 m = tail_mask(K - k);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + c * K + k), acc);
-    }
-    o[c] = _mm512_reduce_add_ps(acc);
-  }
+  for (int c = 0; c < 16; ++c)
+    if ((lanes >> c) & 1) jaxserve_native::dot_rows<1>(x, w + c * K, K, o + c);
   return _mm512_load_ps(o);
 }
 
@@ -747,7 +740,6 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
                      const uint16_t* xc, int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols) {
   const int64_t part_w = 16 * K32, part_x = K32 / 2 * cr * 2;   // words from one part to the next
   const int64_t sw = K32 * 2, sx = cr * 4;
-  const uint16_t* x0 = xc;
   _tile_zero(0);
   if (MB > 1) _tile_zero(1);
   if (MB > 2) _tile_zero(2);
@@ -758,7 +750,7 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
     _tile_loadd(5, ws + part_w + k, sw);
     _tile_loadd(6, ws + 2 * part_w + k, sw);
     if (split && k + 32 < K32) split_weight_step(w, N, K, K32, n0, k + 32, ws);
-    const uint16_t* xb = x0 + k / 2 * cr * 2;
+    const uint16_t* xb = xc + k / 2 * cr * 2;
 #define JAXSERVE_F32_TILES_BLOCK(b)                                              \
     _tile_loadd(7, xb + 32 * b, sx);                                             \
     _tile_dpbf16ps(b, 4, 7);                                                     \
@@ -939,10 +931,7 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
         split_x_block(xp, M, K, b / k_blocks * 16, b % k_blocks * 16, cr, xs);
         blocks_done.fetch_add(1, std::memory_order_release);
       }
-      for (int spins = 0; blocks_done.load(std::memory_order_acquire) < blocks; ++spins) {
-        if (spins < 4096) JAXSERVE_PAUSE();
-        else std::this_thread::yield();   // a preempted thread holds a block
-      }
+      jaxserve_native::wait_until(blocks_done, blocks);   // the blocks other threads took
     };
     for_items<float>(pool, M, ops, NR_F32_TILES, cr, K, [&](const Operand& op, int64_t n0, int64_t width,
                                                               int64_t m0, int64_t m1, const float*, int64_t) {

@@ -24,9 +24,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#ifdef __AVX512F__
-using jaxserve_native::load_bf16x16;
-#endif
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return jaxserve_native::bf16_to_f32(p[i]); }  // bf16 bits
@@ -84,53 +81,17 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return jaxserve_native::bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
-}
+using jaxserve_native::dot_rows;
 
-// sum_k w[k] x[k] of one [N, K] row: two chains of 16-lane multiply-adds (rows are short: the
-// loads of the next rows overlap these chains), one horizontal sum. One row at a time, each
-// thread's run of rows is one stream through memory; 16 rows side by side (16 streams) read
-// the lm head ~1.3x slower here (benchmarks/RESULTS.md).
+// sum_k w[k] x[k] of one [N, K] row (`dot_rows`). One row at a time, each thread's run of rows is
+// one stream through memory; 16 rows side by side (16 streams) read the lm head ~1.3x slower
+// here (benchmarks/RESULTS.md). float32 rows go 4 side by side (`dots`): the float32 projections
+// pre-packed [N, K] for the tiles read ~5% faster so at one row than [K, N] rows.
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
-    a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
-  }
-  for (; k < K; k += 16) {
-    const __mmask16 m = jaxserve_native::tail_mask(K - k);
-    a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-// dot_row of 4 float32 rows side by side (4 streams): each row's sums in dot_row's order, so the
-// same bits whichever way its run is cut. The float32 projections pre-packed [N, K] for the tiles
-// read ~5% faster so at one row than [K, N] rows (benchmarks/RESULTS.md).
-template <typename T>
-inline void dot_rows4(const float* x, const T* w, int64_t K, float* y) {
-  __m512 a0[4], a1[4];
-  for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-    for (int r = 0; r < 4; ++r) {
-      a0[r] = _mm512_fmadd_ps(load16(w + r * K + k), x0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(load16(w + r * K + k + 16), x1, a1[r]);
-    }
-  }
-  for (; k < K; k += 16) {
-    const __mmask16 m = jaxserve_native::tail_mask(K - k);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-    for (int r = 0; r < 4; ++r) a0[r] = _mm512_fmadd_ps(load16(w + r * K + k, m), xv, a0[r]);
-  }
-  for (int r = 0; r < 4; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+  float y;
+  dot_rows<1>(x, w, K, &y);
+  return y;
 }
 #else
 template <typename T>
@@ -155,7 +116,7 @@ void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops
       const T* w = static_cast<const T*>(op.w);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       if constexpr (std::is_same_v<T, float>)   // (bf16 rows: level or slower so, measured)
-        for (; n + 4 <= end && n + 4 <= first + op.N; n += 4) dot_rows4(x, w + (n - first) * K, K, op.y + n - first);
+        for (; n + 4 <= end && n + 4 <= first + op.N; n += 4) dot_rows<4>(x, w + (n - first) * K, K, op.y + n - first);
 #endif
       for (; n < end && n < first + op.N; ++n) op.y[n - first] = dot_row(x, w + (n - first) * K, K);
       first += op.N;

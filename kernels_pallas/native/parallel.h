@@ -32,6 +32,15 @@ struct WorkCounter {
   std::atomic<int64_t> done{0};
 };
 
+// Returns once `done` reaches `target` (other threads' work): spins, then yields (a preempted
+// thread may hold the rest).
+inline void wait_until(const std::atomic<int64_t>& done, int64_t target) {
+  for (int spins = 0; done.load(std::memory_order_acquire) < target; ++spins) {
+    if (spins < 4096) JAXSERVE_PAUSE();
+    else std::this_thread::yield();
+  }
+}
+
 // Calls run(item) for item in [0, items), on up to `workers` threads (XLA's pool + the caller).
 template <typename F>
 void parallel_for(xla::ffi::ThreadPool& pool, int64_t items, int64_t workers, F&& run) {
@@ -52,10 +61,7 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t items, int64_t workers, F&
       if (counter->next.load(std::memory_order_relaxed) < items) work();
     });
   work();
-  for (int spins = 0; counter->done.load(std::memory_order_acquire) < items; ++spins) {
-    if (spins < 4096) JAXSERVE_PAUSE();
-    else std::this_thread::yield();
-  }
+  wait_until(counter->done, items);
 }
 
 }  // namespace jaxserve_native
