@@ -437,3 +437,57 @@ def test_shared_pages_whole_for_some_runs_and_partial_for_the_anchor(amx):
     else:
         want = naive_attention(q, cache, tables, ctx, qsl, 3, sm_scale=0.125)
         np.testing.assert_allclose(np.asarray(outs[1]), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.skipif(not (native_cpu.available() and native_cpu.attention_amx()), reason="no AMX tiles here")
+@pytest.mark.parametrize("head_dim,kv_heads,group,window", [(64, 3, 3, None), (64, 2, 1, None), (128, 2, 4, 40),
+                                                            (64, 1, 8, None), (64, 3, 3, 21)])
+def test_decodes_side_by_side_on_the_tiles_give_each_row_its_own_bits(head_dim, kv_heads, group, window):
+    """Decodes share one block of rows on the tiles (16 / G runs, their pages walked in step). A
+    decode's row gets the bits it gets alone, and those of the same query as the last row of a
+    longer run (which folds in its own block); a NaN inside one run's keys stays in its rows."""
+    rng = np.random.default_rng(head_dim + group)
+    lens = [int(x) for x in rng.integers(2, 120, size=21)] + [16, 17, 32]
+    seqs = [(n, 1) for n in lens] + [(50, 2)]
+    need = [-(-n // 16) for n, _ in seqs]
+    q, cache, tables, ctx, qsl, num_seqs = make_batch(seqs, block_size=16, head_dim=head_dim, num_blocks=sum(need) + 1,
+                                                      max_blocks=max(need), num_kv_heads=kv_heads, group=group, seed=5,
+                                                      num_tokens=len(seqs) + 1, num_seq_slots=len(seqs))
+    tables[1:4, :1] = tables[0, :1]   # three decodes read their first page from the first one's block
+    q = np.array(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    last = int(qsl[num_seqs - 1])     # the 2-query run: its last row asks what the first decode asks
+    q[last + 1] = q[0]
+    tables[num_seqs - 1] = tables[0]
+    ctx[num_seqs - 1] = ctx[0]        # its last query sits where the first decode's does
+    q = q[: int(qsl[num_seqs])]
+    pool = np.array(jnp.asarray(cache, jnp.bfloat16))
+    scale = head_dim ** -0.5
+    kw = dict(score_scale=scale) if head_dim == 128 else {}
+    qs = q if head_dim == 128 else q * scale
+
+    def attend(pool, qs, tables, ctx, qsl, n):
+        out, lse = native_cpu.paged_context_native(
+            jnp.asarray(qs), jnp.asarray(pool.view(np.uint16)), *map(jnp.asarray, (tables, ctx, qsl)), n,
+            bits_dtype=jnp.bfloat16, max_q_len=qs.shape[0], sliding_window=window, soft_cap=None, q_bf16=True, **kw)
+        return np.asarray(out), np.asarray(lse)
+
+    before = native_cpu.amx_attention_folds()
+    out, lse = attend(pool, qs, tables, ctx, qsl, num_seqs)
+    assert native_cpu.amx_attention_folds() > before
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    for s in range(int(num_seqs)):   # each sequence alone: the same bits
+        lo, hi = int(qsl[s]), int(qsl[s + 1])
+        alone = attend(pool, qs[lo:hi], tables[s:s + 1], ctx[s:s + 1], np.array([0, hi - lo], np.int32), 1)
+        np.testing.assert_array_equal(alone[0], out[lo:hi])
+        np.testing.assert_array_equal(alone[1], lse[lo:hi])
+    np.testing.assert_array_equal(out[last + 1], out[0])   # a decode's row = a longer run's row, to the bit
+    np.testing.assert_array_equal(lse[last + 1], lse[0])
+    dirty = pool.copy()   # NaN in the fifth decode's last key (a page of its own): only its rows change
+    dirty[0, :, tables[4, (ctx[4] - 1) // 16], (ctx[4] - 1) % 16] = np.nan
+    got, got_lse = attend(dirty, qs, tables, ctx, qsl, num_seqs)
+    assert not np.array_equal(got[4], out[4])
+    keep = np.arange(out.shape[0]) != 4
+    np.testing.assert_array_equal(got[keep], out[keep])
+    np.testing.assert_array_equal(got_lse[keep], lse[keep])
+    assert_matches_with_bf16_weights(jnp.asarray(out), q, np.asarray(pool.astype(np.float32)), tables, ctx, qsl,
+                                     num_seqs, sm_scale=scale, sliding_window=window)
