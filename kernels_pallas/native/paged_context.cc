@@ -12,8 +12,7 @@
 // same operations in the same order either way, so its result does not depend on the path,
 // its group or its batch (tests/kernels/test_ragged_paged_attention_cpu.py checks the bits).
 // A bf16 q against a bf16 pool on a CPU with AMX tiles (`amx` set) takes `attend_amx` for every
-// row instead: scores and P x V from `tdpbf16ps`, the softmax weights rounded to bf16 first;
-// decodes side by side, up to 16 / G runs in one block of rows (`amx_runs`).
+// row instead: scores and P x V from `tdpbf16ps`, the softmax weights rounded to bf16 first.
 //
 // Inputs: q [T, QH, D] float32, already scaled by sm_scale (on the tiles, `score_scale` may carry
 // a scale that is no power of two instead, q unscaled; with `q_bf16` set the caller vouches
@@ -179,9 +178,7 @@ struct AmxScratch {                   // per thread
   alignas(64) float pv[8 * 256];      // P V [kD / 16][lane][16]
   alignas(64) uint32_t vp[2][8 * 128];   // V's key pairs [8][kD] (amx_col order), two 16-key pieces' in turn
   alignas(64) float alpha[16];
-  alignas(64) int32_t lo[16];         // amx_runs: each lane's first key to fold
   std::vector<AmxBlock> blocks;
-  std::vector<uint32_t> run_vp;       // amx_runs: each run's V pairs of the 16 keys ([run][8][kD])
 };
 
 struct Scratch {  // per thread, kept between calls
@@ -886,13 +883,11 @@ inline void amx_scores(const AmxBlock& b, const uint16_t* k, float* S) {
 }
 #undef JAXSERVE_AMX_SCORES
 
-// Each row's online softmax of 16 keys from key0 (nkeys of them exist) from their scores S
-// (amx_scores): the rows' max and sum updated, their weights as bf16 into s.P ([lane][key]), their
-// rescales into s.alpha (-1: no key seen, nothing to add). With `lo` (amx_runs), lane i folds only
-// keys from lo[i] on, and none where bit i of `act` is clear. False when no row sees a key.
+// Folds 16 keys from key0 into block b's rows: their scores S (amx_scores), V's key pairs vp
+// (amx_v_pairs); nkeys of them exist.
 template <int64_t kD>
-bool amx_weights(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, int64_t key0, int64_t nkeys,
-                 __mmask16 act = 0xFFFF, const int32_t* lo = nullptr) {
+void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, const uint32_t* vp, int64_t key0,
+              int64_t nkeys) {
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int32_t window = static_cast<int32_t>(pr.sliding_window);
   const __m512 scale = _mm512_set1_ps(pr.score_scale);   // 1: exact, the scores as they are
@@ -900,7 +895,6 @@ bool amx_weights(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, 
   if (b.n >= kAmxLaneRows) {   // rows in lanes: S's rows are each key's scores
     const __m512i pos = _mm512_load_si512(b.pos);
     const __m512i window_lo = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
-    const __m512i first = lo != nullptr ? _mm512_load_si512(lo) : _mm512_setzero_si512();
     __m512 sc[16], e[16];
     __mmask16 valid[16], seen;
     #pragma GCC unroll 16
@@ -908,11 +902,10 @@ bool amx_weights(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, 
       const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
       valid[t] = t < nkeys ? _mm512_cmple_epi32_mask(key, pos) : __mmask16(0);
       if (window > 0) valid[t] &= _mm512_cmpgt_epi32_mask(key, window_lo);
-      if (lo != nullptr) valid[t] &= act & _mm512_cmpge_epi32_mask(key, first);
       sc[t] = _mm512_mul_ps(_mm512_load_ps(S + 16 * t), scale);
     }
     const __m512 alpha = softmax_lanes16(sc, valid, b.m, b.l, e, &seen);
-    if (!seen) return false;
+    if (!seen) return;
     any = true;
     _mm512_store_ps(s.alpha, _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), seen, alpha));   // -1: nothing to add
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -929,7 +922,6 @@ bool amx_weights(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, 
     for (int64_t i = 0; i < b.n; ++i) {
       __mmask16 valid = in_page & _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(b.pos[i]));
       if (window > 0) valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32(b.pos[i] - window));
-      if (lo != nullptr) valid &= ((act >> i) & 1 ? _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo[i])) : __mmask16(0));
       __m256i weights = _mm256_setzero_si256();
       float alpha = -1.0f;   // nothing to add
       const __m512 scores = valid ? _mm512_mul_ps(_mm512_i32gather_ps(column, S + i, 4), scale) : _mm512_setzero_ps();
@@ -947,28 +939,7 @@ bool amx_weights(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, 
       s.alpha[i] = alpha;
     }
   }
-  return any;
-}
-
-// The rows' sums rescaled and P V (s.pv) added: acc = acc alpha + pv, rows with alpha -1 left alone.
-template <int64_t kD>
-inline void amx_add_pv(AmxBlock& b, const AmxScratch& s) {
-  for (int64_t i = 0; i < b.n; ++i) {
-    if (s.alpha[i] < 0.0f) continue;
-    const __m512 alpha = _mm512_set1_ps(s.alpha[i]);
-    float* acc = b.acc + i * kD;
-    #pragma GCC unroll 8
-    for (int64_t c = 0; c < kD; c += 16)
-      _mm512_store_ps(acc + c, _mm512_fmadd_ps(_mm512_load_ps(acc + c), alpha, _mm512_load_ps(s.pv + 16 * c + 16 * i)));
-  }
-}
-
-// Folds 16 keys from key0 into block b's rows: their scores S (amx_scores), V's key pairs vp
-// (amx_v_pairs); nkeys of them exist.
-template <int64_t kD>
-void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, const uint32_t* vp, int64_t key0,
-              int64_t nkeys) {
-  if (!amx_weights<kD>(pr, b, s, S, key0, nkeys)) return;
+  if (!any) return;
   _tile_loadd(3, s.P, 32);
   #pragma GCC unroll 4
   for (int64_t c = 0; c < kD; c += 32) {   // two sum tiles in turn
@@ -981,7 +952,14 @@ void fold_amx(const Problem& pr, AmxBlock& b, AmxScratch& s, const float* S, con
     _tile_stored(5, s.pv + 16 * c, 64);
     _tile_stored(6, s.pv + 16 * (c + 16), 64);
   }
-  amx_add_pv<kD>(b, s);
+  for (int64_t i = 0; i < b.n; ++i) {
+    if (s.alpha[i] < 0.0f) continue;
+    const __m512 alpha = _mm512_set1_ps(s.alpha[i]);
+    float* acc = b.acc + i * kD;
+    #pragma GCC unroll 8
+    for (int64_t c = 0; c < kD; c += 16)
+      _mm512_store_ps(acc + c, _mm512_fmadd_ps(_mm512_load_ps(acc + c), alpha, _mm512_load_ps(s.pv + 16 * c + 16 * i)));
+  }
 }
 
 // Pages [p0, p1) of `run`'s table (KV head h), keys before `limit`, folded into blocks[0, nb), 16 keys at a time, then
@@ -1035,114 +1013,6 @@ int64_t amx_pages(const Problem& pr, AmxScratch& s, const Run& run, int64_t h, i
   return x.u + 1;
 }
 
-// Decodes side by side: amx_runs' tiles take one run's R query rows (R <= 8), as amx_attention_tiles
-// otherwise: 0 and 7 a run's scores [16 keys][R lanes] (stored into S at its lanes), 2 its q pairs
-// [16 pairs][R lanes], 3 its P rows [R][16 keys], 5-6 its P V sums [R][16 columns]. A tile's sums
-// do not depend on its shape: each element is the same products in the same order.
-inline void amx_runs_tiles(int64_t R) {
-  jaxserve_native::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  cfg.colsb[0] = cfg.colsb[7] = cfg.colsb[2] = static_cast<uint16_t>(4 * R);
-  cfg.rows[3] = cfg.rows[5] = cfg.rows[6] = static_cast<uint8_t>(R);
-  cfg.colsb[3] = 32;
-  cfg.rows[4] = 8;
-  jaxserve_native::load_tile_config(cfg);
-}
-
-// Run r's scores of 16 keys (k: their [16][kD] bf16 rows) into S's lanes lane0 .. lane0 + R - 1.
-#define JAXSERVE_AMX_RUN_SCORES(T)                 \
-  _tile_zero(T);                                   \
-  for (int64_t c = 0; c < kD; c += 32) {           \
-    _tile_loadd(1, k + c, kD * 2);                 \
-    _tile_loadd(2, b.q + 8 * c + lane0, 64);       \
-    _tile_dpbf16ps(T, 1, 2);                       \
-  }                                                \
-  _tile_stored(T, S + lane0, 64);
-
-// Lines of a run's next K and V pages amx_runs prefetches; the hardware's L2 streamer follows them
-// through the page. All 32 lines of a 2 KB page each, as amx_pages does, fill the miss queue:
-// 64 decodes of 256 keys (12.6 MB of bf16 pages a layer) took 0.60-0.62 ms against 0.55-0.59 ms
-// with 2 lines (1 and 3 lines: level with 2; none: 0.61-0.64 ms).
-constexpr int64_t kRunPrefetchLines = 2;
-
-// Runs of R rows each (decodes: R = G), up to 16 / R of them, in one block of rows walked over their
-// pages in step: for each 16 keys, each run's scores and V pairs on its own pages (no product mixes
-// two runs' numbers, so a NaN in one run's pages stays there), then one online softmax over the
-// block's rows in lanes, then each run's P V. Every row goes through fold_amx's operations in its
-// order (16 keys a fold from its next_page on), so the same bits as its own block would give; the
-// softmax, the tile loads and stores and the waits between them are shared by the block's runs.
-// Returns the folds.
-template <int64_t kD>
-int64_t amx_runs(const Problem& pr, AmxScratch& s, Run* const* rs, int64_t nr, int64_t h) {
-  const int64_t BS = pr.BS, R = rs[0]->rows, page_elems = BS * kD, page_bytes = page_elems * 2, subs = BS / 16;
-  const uint16_t* kv = static_cast<const uint16_t*>(pr.kv);
-  const char* base = static_cast<const char*>(pr.kv);
-  AmxBlock& b = s.blocks[0];
-  amx_block_start<kD>(b);
-  int64_t p0 = INT64_MAX, p1 = 0;
-  std::fill(s.lo, s.lo + 16, std::numeric_limits<int32_t>::max());
-  for (int64_t r = 0; r < nr; ++r) {
-    for (int64_t i = 0; i < R; ++i) {
-      s.lo[b.n] = static_cast<int32_t>(rs[r]->next_page * BS);
-      amx_block_add<kD>(pr, b, *rs[r], i, h);
-    }
-    p0 = std::min(p0, rs[r]->next_page);
-    p1 = std::max(p1, rs[r]->last_page);
-  }
-  const size_t words = static_cast<size_t>(nr * 8 * kD + 16);
-  if (s.run_vp.size() < words) s.run_vp.resize(words);
-  uint32_t* vps = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(s.run_vp.data()) + 63) & ~uintptr_t{63});
-  float* S = s.S[0];
-  amx_runs_tiles(R);
-  int64_t folds = 0;
-  for (int64_t p = p0; p < p1; ++p)
-    for (int64_t sub = 0; sub < subs; ++sub) {
-      const int64_t key0 = p * BS + 16 * sub;
-      __mmask16 act = 0;
-      for (int64_t r = 0; r < nr; ++r) {
-        const Run& run = *rs[r];
-        const int64_t nkeys = std::min<int64_t>(16, run.limit - key0), lane0 = r * R;
-        if (p < run.next_page || p >= run.last_page || nkeys <= 0) continue;
-        act |= static_cast<__mmask16>(((1u << R) - 1) << lane0);
-        if (sub == 0 && p + 1 < run.last_page)   // the next pages' first lines: the L2 streamer takes the rest
-          prefetch_pages_l2(base + pool_page(pr, run, 0, h, p + 1) * page_bytes,
-                            base + pool_page(pr, run, 1, h, p + 1) * page_bytes, 0, kRunPrefetchLines);
-        amx_v_pairs<kD>(kv + pool_page(pr, run, 1, h, p) * page_elems + 16 * sub * kD, nkeys, vps + r * 8 * kD, nullptr,
-                        nullptr, 0, 0);
-        const uint16_t* k = kv + pool_page(pr, run, 0, h, p) * page_elems + 16 * sub * kD;
-        if (r % 2) {
-          JAXSERVE_AMX_RUN_SCORES(7)
-        } else {
-          JAXSERVE_AMX_RUN_SCORES(0)
-        }
-      }
-      if (act == 0) continue;
-      ++folds;
-      if (!amx_weights<kD>(pr, b, s, S, key0, 16, act, s.lo)) continue;
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t lane0 = r * R;
-        if (!((act >> lane0) & 1)) continue;
-        const uint32_t* vp = vps + r * 8 * kD;
-        _tile_loadd(3, s.P + 16 * lane0, 32);
-        #pragma GCC unroll 4
-        for (int64_t c = 0; c < kD; c += 32) {
-          _tile_zero(5);
-          _tile_loadd(4, vp + c, kD * 4);
-          _tile_dpbf16ps(5, 3, 4);
-          _tile_zero(6);
-          _tile_loadd(4, vp + c + 16, kD * 4);
-          _tile_dpbf16ps(6, 3, 4);
-          _tile_stored(5, s.pv + 16 * c + 16 * lane0, 64);
-          _tile_stored(6, s.pv + 16 * (c + 16) + 16 * lane0, 64);
-        }
-      }
-      amx_add_pv<kD>(b, s);
-    }
-  amx_block_finish<kD>(b);
-  return folds;
-}
-#undef JAXSERVE_AMX_RUN_SCORES
-
 // `attend` on the tiles: the pages several runs share first, for all their rows together, then
 // each run's other pages for its own rows.
 template <int64_t kD>
@@ -1176,24 +1046,13 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
     folds += amx_pages<kD>(pr, s, runs[span.anchor], h, span.lo, span.end, span.end * pr.BS, blocks, nb);
     lane_block_pages.fetch_add(nb * (span.end - span.lo), std::memory_order_relaxed);
   }
-  Run* decodes[kSeqGroup];   // one query each, G <= 8 rows: side by side (amx_runs)
-  int64_t num_decodes = 0;
   for (int64_t i = 0; i < n; ++i) {
     Run& run = runs[i];
     if (run.next_page >= run.last_page) continue;
-    if (run.q_len == 1 && pr.G <= 8) {
-      decodes[num_decodes++] = &run;
-      continue;
-    }
     AmxBlock* blocks = blocks_for(run.rows);
     int64_t nb = 0;
     add_rows(blocks, nb, run);
     folds += amx_pages<kD>(pr, s, run, h, run.next_page, run.last_page, run.limit, blocks, nb);
-  }
-  if (num_decodes > 0) {
-    blocks_for(16);
-    for (int64_t i = 0, per = 16 / pr.G; i < num_decodes; i += per)
-      folds += amx_runs<kD>(pr, s, decodes + i, std::min(per, num_decodes - i), h);
   }
   amx_folds.fetch_add(folds, std::memory_order_relaxed);   // once: a locked add waits for every store before it
   _tile_release();   // the tile state back (no 8 KB to save at each switch, deeper idle states)

@@ -442,10 +442,10 @@ def test_shared_pages_whole_for_some_runs_and_partial_for_the_anchor(amx):
 @pytest.mark.skipif(not (native_cpu.available() and native_cpu.attention_amx()), reason="no AMX tiles here")
 @pytest.mark.parametrize("head_dim,kv_heads,group,window", [(64, 3, 3, None), (64, 2, 1, None), (128, 2, 4, 40),
                                                             (64, 1, 8, None), (64, 3, 3, 21)])
-def test_decodes_side_by_side_on_the_tiles_give_each_row_its_own_bits(head_dim, kv_heads, group, window):
-    """Decodes share one block of rows on the tiles (16 / G runs, their pages walked in step). A
-    decode's row gets the bits it gets alone, and those of the same query as the last row of a
-    longer run (which folds in its own block); a NaN inside one run's keys stays in its rows."""
+def test_a_decode_row_gets_its_own_bits_on_the_tiles(head_dim, kv_heads, group, window):
+    """On the tiles a decode's row gets the bits it gets alone, and those of the same query as the
+    last row of a longer run (another block, another tile shape); a NaN inside one run's keys stays
+    in its rows. (Any path that packs several runs' rows together must keep all three.)"""
     rng = np.random.default_rng(head_dim + group)
     lens = [int(x) for x in rng.integers(2, 120, size=21)] + [16, 17, 32]
     seqs = [(n, 1) for n in lens] + [(50, 2)]
