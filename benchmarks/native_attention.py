@@ -35,14 +35,20 @@ BS = 16
 HEADS = {64: (9, 3), 128: (8, 2)}   # head dim -> (q heads, KV heads)
 
 
-def make_case(seqs, shared_blocks, dtype, seed, head_dim=64):
+def make_case(seqs, shared_blocks, dtype, seed, head_dim=64, contiguous=False):
     """seqs: (context, q_len) pairs; the first `shared_blocks` pages of every table are the same
-    blocks. Returns q unscaled (a bf16 model's: bf16 values), the pool, the metadata."""
+    blocks; `contiguous`: each sequence's pages in consecutive pool blocks (else scattered at
+    random). Returns q unscaled (a bf16 model's: bf16 values), the pool, the metadata."""
     QH, KVH = HEADS[head_dim]
     need = [-(-ctx // BS) for ctx, _ in seqs]
     q, kv, tables, ctx, qsl, num_seqs = make_batch(
         seqs, seed=seed, num_tokens=sum(q for _, q in seqs), num_seq_slots=len(seqs), block_size=BS,
         num_blocks=sum(need) + 1, max_blocks=max(need), num_kv_heads=KVH, group=QH // KVH, head_dim=head_dim)
+    if contiguous:
+        tables = np.array(tables)
+        first = 1 + np.concatenate([[0], np.cumsum(need)[:-1]])
+        for s, (start, n) in enumerate(zip(first, need)):
+            tables[s, :n] = start + np.arange(n)
     tables[1:, :shared_blocks] = tables[0, :shared_blocks]
     pool = jnp.asarray(kv) if dtype == "float32" else jnp.asarray(
         np.asarray(jnp.asarray(kv, jnp.bfloat16)).view(np.uint16))
@@ -78,7 +84,12 @@ def main():
     p.add_argument("--compare", choices=["lanes", "amx"], default="lanes")
     p.add_argument("--head-dim", type=int, choices=sorted(HEADS), default=64)
     p.add_argument("--cold", action="store_true",
-                   help="evict the caches before each call (the step's weights do, between layers)")
+                   help="read 64 MB before each call (on a CPU with a larger L3 the pool may stay cached: see --layers)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="time this many layers' calls in one jitted function, each layer its own pool (as a step "
+                        "reads them: with enough layers the pools come from memory); times are per layer")
+    p.add_argument("--contiguous", action="store_true",
+                   help="each sequence's pages in consecutive pool blocks (default: scattered at random)")
     args = p.parse_args()
     assert native_cpu.available(), "the native kernel does not build here"
     if args.compare == "amx" and not (args.dtype == "bfloat16" and native_cpu.gemm_amx()):
@@ -88,19 +99,29 @@ def main():
         {"amx": False}, {"amx": True})
     names = ("lanes off", "lanes on") if args.compare == "lanes" else ("vector", "AMX")
     print(f"native attention, one layer, {args.dtype} pool, head dim {args.head_dim}, {jax.device_count()} device, "
-          f"reps {args.reps}")
+          f"reps {args.reps}, {args.layers} layer(s) a call, pages {'contiguous' if args.contiguous else 'scattered'}")
     print(f"{'case':<8} {names[0] + ' ms':>13} {names[1] + ' ms':>12} {'ratio':>6}  "
           f"{'same bits' if args.compare == 'lanes' else 'max |diff|'}")
     for seed, (name, (seqs, shared)) in enumerate(CASES.items()):
-        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, seed, args.head_dim)
+        q, pool, tables, ctx, qsl, num_seqs = make_case(seqs, shared, args.dtype, seed, args.head_dim, args.contiguous)
+        pools = [pool] + [make_case(seqs, shared, args.dtype, 1000 * seed + layer, args.head_dim, args.contiguous)[1]
+                          for layer in range(1, args.layers)]
         fns, queries = {}, {}
         for i, setting in enumerate(settings):
             call = query_args(q, args.dtype, args.head_dim, setting.get("amx", native_cpu.attention_amx()))
             queries[i] = call.pop("qs")
-            fns[i] = jax.jit(lambda qs, pool, tables, ctx, qsl, kw={**call, **setting}: native_cpu.paged_context_native(
-                qs, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.dtype(args.dtype), max_q_len=qs.shape[0],
-                sliding_window=None, soft_cap=None, **kw))
-        outs = {k: jax.block_until_ready(f(queries[k], pool, tables, ctx, qsl)) for k, f in fns.items()}
+
+            def layers(qs, pools, tables, ctx, qsl, kw={**call, **setting}):
+                outs, prev = [], None
+                for pool in pools:   # each layer after the one before, as in a step
+                    q_in = qs if prev is None else qs + 0.0 * prev[0, 0, 0]
+                    prev = native_cpu.paged_context_native(
+                        q_in, pool, tables, ctx, qsl, num_seqs, bits_dtype=jnp.dtype(args.dtype),
+                        max_q_len=qs.shape[0], sliding_window=None, soft_cap=None, **kw)[0]
+                    outs.append(prev)
+                return outs[0], outs[-1]
+            fns[i] = jax.jit(layers)
+        outs = {k: jax.block_until_ready(f(queries[k], pools, tables, ctx, qsl)) for k, f in fns.items()}
         if args.compare == "lanes":
             same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
         else:
@@ -111,9 +132,9 @@ def main():
                 if args.cold:
                     evict.sum()   # reads 64 MB, more than this CPU's caches hold, as the weights stream
                 t = time.perf_counter()
-                jax.block_until_ready(f(queries[k], pool, tables, ctx, qsl))
+                jax.block_until_ready(f(queries[k], pools, tables, ctx, qsl))
                 times[k].append(time.perf_counter() - t)
-        off, on = (statistics.median(times[k]) * 1e3 for k in fns)
+        off, on = (statistics.median(times[k]) * 1e3 / args.layers for k in fns)
         print(f"{name:<8} {off:>13.3f} {on:>12.3f} {off / on:>6.2f}  {same}")
 
 
