@@ -487,31 +487,39 @@ def write_kv(kv_cache, k, v, slot_mapping):
 
 
 def add_rms_norm(x, delta, weight, eps: float):
-    """(x + delta, RMSNorm(x + delta) * weight) for a bfloat16 decoder on the CPU, in one pass: the
-    residual add of a sublayer's output and the norm of the next. x [T, H] float32 (the residual
-    stream, which XLA keeps in float32 in a bf16 model) or bfloat16 (the embedding); delta [T, H]
-    float32 (a projection's unrounded product plus its bias: rounded to bfloat16 first, as the
-    projection's output is) or bfloat16, or None (no add); weight [H] bfloat16. Returns (the sum in
-    float32, the norm in bfloat16): `add_rms_norm_reference`'s values but for the norm's sum of
-    squares, taken in a fixed order of its own (`native/step_ops.cc`), which may move a bf16
-    output by an ulp. Not differentiable (the engine's step only). Call `available()` first."""
-    if (x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16) or weight.shape != x.shape[-1:]
-            or weight.dtype != jnp.bfloat16):
-        raise ValueError(f"add_rms_norm takes x [T, H] float32 or bfloat16 and weight [H] bfloat16, got "
-                         f"{x.dtype}{list(x.shape)} and {weight.dtype}{list(weight.shape)}")
-    if delta is not None and (delta.shape != x.shape or delta.dtype not in (jnp.float32, jnp.bfloat16)):
-        raise ValueError(f"add_rms_norm takes delta [T, H] float32 or bfloat16 like x {list(x.shape)}, got "
+    """(x + delta, RMSNorm(x + delta) * weight) for a decoder on the CPU, in one pass: the residual
+    add of a sublayer's output and the norm of the next.
+
+    bfloat16 model (weight [H] bfloat16): x [T, H] float32 (the residual stream, which XLA keeps in
+    float32 in a bf16 model) or bfloat16 (the embedding); delta [T, H] float32 (a projection's
+    unrounded product plus its bias: rounded to bfloat16 first, as the projection's output is) or
+    bfloat16, or None (no add). Returns (the sum in float32, the norm in bfloat16).
+    float32 model (weight [H] float32): x and delta float32, nothing rounded; returns two float32
+    arrays. Either way `add_rms_norm_reference`'s values but for the norm's sum of squares, taken
+    in a fixed order of its own per row (`native/step_ops.cc`; XLA's order depends on the step's
+    shape), which may move an output by an ulp. Not differentiable (the engine's step only). Call
+    `available()` first."""
+    f32 = weight.dtype == jnp.float32
+    if (x.ndim != 2 or x.dtype not in ((jnp.float32,) if f32 else (jnp.float32, jnp.bfloat16))
+            or weight.shape != x.shape[-1:] or weight.dtype not in (jnp.float32, jnp.bfloat16)):
+        raise ValueError(f"add_rms_norm takes x [T, H] float32 or bfloat16 and weight [H] bfloat16 (or x and weight "
+                         f"float32), got {x.dtype}{list(x.shape)} and {weight.dtype}{list(weight.shape)}")
+    if delta is not None and (delta.shape != x.shape or delta.dtype not in (
+            (jnp.float32,) if f32 else (jnp.float32, jnp.bfloat16))):
+        raise ValueError(f"add_rms_norm takes delta [T, H] like x {list(x.shape)}"
+                         f"{' (float32, as the weight)' if f32 else ', float32 or bfloat16'}, got "
                          f"{delta.dtype}{list(delta.shape)}")
     call = jax.ffi.ffi_call(ADD_RMS_NORM_TARGET, (jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                                                  jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)))
+                                                  jax.ShapeDtypeStruct(x.shape, weight.dtype)))
     return tuple(call(x, x if delta is None else delta, weight, eps=np.float32(eps), add=np.int64(delta is not None)))
 
 
 def add_rms_norm_reference(x, delta, weight, eps: float):
-    """What `add_rms_norm` computes, in jnp: the residual in float32 plus the bf16-rounded delta,
-    and HF's RMSNorm of it (float32 math, normed rounded to bf16 before the weight): its oracle."""
+    """What `add_rms_norm` computes, in jnp: the residual in float32 plus the delta (rounded to
+    bfloat16 first for a bf16 weight), and HF's RMSNorm of it (float32 math; for a bf16 weight the
+    normed rounded to bf16 before the weight): its oracle."""
     x = x.astype(jnp.float32)
     if delta is not None:
-        x = x + delta.astype(jnp.bfloat16).astype(jnp.float32)
-    normed = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)).astype(jnp.bfloat16)
+        x = x + delta.astype(weight.dtype).astype(jnp.float32)
+    normed = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)).astype(weight.dtype)
     return x, weight * normed

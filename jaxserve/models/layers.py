@@ -269,10 +269,13 @@ def add_norm(norm: RMSNorm, x: jax.Array, delta: jax.Array | None, native: bool)
 
 
 def native_norm_ok(norm: RMSNorm, md: AttentionMetadata | None, cpu_backend: bool) -> bool:
-    """True when `add_norm` may take the native call: a bfloat16 norm in the engine's step (`md`: the
-    training forward stays jnp, differentiable) on the `cpu` attention backend. JAXSERVE_NATIVE_NORM=0
-    keeps XLA's fusions (A/B benchmarks)."""
-    return (cpu_backend and md is not None and norm.dtype == jnp.bfloat16 and norm.weight[...].dtype == jnp.bfloat16
+    """True when `add_norm` may take the native call: a bfloat16 or float32 norm (weight of the same
+    dtype) in the engine's step (`md`: the training forward stays jnp, differentiable) on the `cpu`
+    attention backend. A row's norm then takes the same sums whatever the step's shape (XLA's
+    reduction of a float32 step's sums of squares follows its token bucket, so a prefix-cache hit
+    moved a row's last bits). JAXSERVE_NATIVE_NORM=0 keeps XLA's fusions (A/B benchmarks)."""
+    dtype = norm.weight[...].dtype
+    return (cpu_backend and md is not None and dtype in (jnp.bfloat16, jnp.float32) and norm.dtype == dtype
             and os.environ.get("JAXSERVE_NATIVE_NORM", "1") != "0" and _unsharded() and native_cpu.available())
 
 

@@ -16,7 +16,8 @@
 // Inputs: gate [M, N] and up [M, N], both float32 or both bfloat16 (already rounded: the same h),
 // table [65536] float32. Output: h [M, N] bfloat16 (raw bits).
 //
-// JaxserveAddRmsNorm: a bfloat16 decoder's residual add and the RMSNorm after it, in one pass.
+// JaxserveAddRmsNorm: a decoder's residual add and the RMSNorm after it, in one pass (a bfloat16
+// model as below; a float32 model's the same way with nothing rounded).
 //
 // XLA keeps a bf16 model's residual stream in float32 (its excess precision: the rounding of
 // each bf16 add is dropped inside fusions), and this does the same: x_out = x + bf16(delta) in
@@ -29,8 +30,9 @@
 // approximate rsqrt may differ in r's last bit, which moves a bf16 output once in tens of
 // thousands (the tests bound it). With `add` = 0, delta is ignored: x_out = x.
 //
-// Inputs: x [T, H] float32 or bfloat16, delta [T, H] float32 or bfloat16, weight [H] bfloat16;
-// attributes eps (float32), add (0 or 1). Outputs: x_out [T, H] float32, normed [T, H] bfloat16.
+// Inputs: x [T, H] float32 or bfloat16, delta [T, H] float32 or bfloat16, weight [H] bfloat16 (or,
+// a float32 model: x, delta and weight float32); attributes eps (float32), add (0 or 1). Outputs:
+// x_out [T, H] float32, normed [T, H] of the weight's dtype.
 //
 // JaxserveWriteKv: a step's keys and values into their slots of the paged KV pool, in place.
 //
@@ -201,10 +203,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKvImpl,
 namespace {
 
 // Rows [r0, r1) of x_out and normed; the element types as template arguments, so the loops vectorise.
-template <typename X, typename Delta, bool kAdd>
-void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, float eps, int64_t H, float* x_out,
-                       uint16_t* normed, int64_t r0, int64_t r1) {
+// Out uint16_t: a bfloat16 model (delta rounded to bf16 before the add, weight and normed bf16);
+// float: a float32 model (x, delta, weight and normed float32, nothing rounded).
+template <typename X, typename Delta, bool kAdd, typename Out>
+void add_rms_norm_rows(const X* x, const Delta* delta, const Out* weight, float eps, int64_t H, float* x_out,
+                       Out* normed, int64_t r0, int64_t r1) {
   using jaxserve_native::bf16_to_f32;
+  constexpr bool kBf16 = sizeof(Out) == 2;
   const float inv_h = 1.0f / static_cast<float>(H);   // XLA divides a mean by its count as a multiply
   for (int64_t r = r0; r < r1; ++r) {
     float* row = x_out + r * H;
@@ -215,7 +220,8 @@ void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, f
       float v;
       if constexpr (sizeof(X) == 2) v = bf16_to_f32(xr[i]);   // the residual: bf16 (the embedding) or float32
       else v = xr[i];
-      if constexpr (kAdd) v += bf16_to_f32(static_cast<uint16_t>(bf16_bits(dr[i])));   // delta rounded
+      if constexpr (kAdd && kBf16) v += bf16_to_f32(static_cast<uint16_t>(bf16_bits(dr[i])));   // delta rounded
+      else if constexpr (kAdd) v += dr[i];
       row[i] = v;
     }
     float lanes[16] = {};
@@ -227,33 +233,41 @@ void add_rms_norm_rows(const X* x, const Delta* delta, const uint16_t* weight, f
     for (int64_t half = 8; half >= 1; half /= 2)   // sum16's tree: lanes i + 8, i + 4, i + 2, i + 1
       for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
     const float scale = 1.0f / std::sqrt(lanes[0] * inv_h + eps);
-    uint16_t* out = normed + r * H;
+    Out* out = normed + r * H;
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) {
-      const float n = bf16_to_f32(static_cast<uint16_t>(bf16_bits(row[i] * scale)));
-      out[i] = static_cast<uint16_t>(bf16_bits(n * bf16_to_f32(weight[i])));
+      if constexpr (kBf16) {
+        const float n = bf16_to_f32(static_cast<uint16_t>(bf16_bits(row[i] * scale)));
+        out[i] = static_cast<uint16_t>(bf16_bits(n * bf16_to_f32(weight[i])));
+      } else {
+        out[i] = weight[i] * (row[i] * scale);
+      }
     }
   }
 }
 
 constexpr int64_t kNormRows = 16;   // rows per work item
 
-ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer delta, ffi::Buffer<ffi::BF16> weight,
-                          ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::Result<ffi::Buffer<ffi::BF16>> normed,
-                          float eps, int64_t add) {
+ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer delta, ffi::AnyBuffer weight,
+                          ffi::Result<ffi::Buffer<ffi::F32>> x_out, ffi::Result<ffi::AnyBuffer> normed, float eps,
+                          int64_t add) {
   const auto xd = x.dimensions();
   const bool x_bf16 = x.element_type() == ffi::DataType::BF16, delta_bf16 = delta.element_type() == ffi::DataType::BF16;
+  const bool f32 = weight.element_type() == ffi::DataType::F32;   // a float32 model's norm
   if (xd.size() != 2 || (!x_bf16 && x.element_type() != ffi::DataType::F32))
     return ffi::Error::InvalidArgument("add_rms_norm: x must be [T, H] float32 or bfloat16");
   const int64_t T = xd[0], H = xd[1];
-  if (static_cast<int64_t>(weight.element_count()) != H) return ffi::Error::InvalidArgument("add_rms_norm: weight must be [H]");
+  if ((!f32 && weight.element_type() != ffi::DataType::BF16) || static_cast<int64_t>(weight.element_count()) != H)
+    return ffi::Error::InvalidArgument("add_rms_norm: weight must be [H] bfloat16 or float32");
   if (add && ((!delta_bf16 && delta.element_type() != ffi::DataType::F32) || delta.element_count() != x.element_count()))
     return ffi::Error::InvalidArgument("add_rms_norm: delta must be [T, H] float32 or bfloat16");
+  if (f32 && (x_bf16 || (add && delta_bf16)))
+    return ffi::Error::InvalidArgument("add_rms_norm: a float32 weight takes float32 x and delta");
+  if (normed->element_type() != weight.element_type())
+    return ffi::Error::InvalidArgument("add_rms_norm: normed must have the weight's dtype");
   if (x_out->element_count() != x.element_count() || normed->element_count() != x.element_count())
     return ffi::Error::InvalidArgument("add_rms_norm: the outputs must be [T, H]");
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.untyped_data());
   float* xo = x_out->typed_data();
-  uint16_t* no = reinterpret_cast<uint16_t*>(normed->untyped_data());
   const int64_t items = (T + kNormRows - 1) / kNormRows;
   jaxserve_native::parallel_for(pool, items, std::max<int64_t>(1, pool.num_threads()), [&](int64_t item) {
     const int64_t r0 = item * kNormRows, r1 = std::min(T, (item + 1) * kNormRows);
@@ -262,6 +276,15 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     const auto* x32 = static_cast<const float*>(xv);
     const auto* d16 = static_cast<const uint16_t*>(dv);
     const auto* d32 = static_cast<const float*>(dv);
+    if (f32) {
+      const auto* wp = static_cast<const float*>(weight.untyped_data());
+      auto* no = static_cast<float*>(normed->untyped_data());
+      if (add) add_rms_norm_rows<float, float, true>(x32, d32, wp, eps, H, xo, no, r0, r1);
+      else add_rms_norm_rows<float, float, false>(x32, d32, wp, eps, H, xo, no, r0, r1);
+      return;
+    }
+    const auto* wp = static_cast<const uint16_t*>(weight.untyped_data());
+    auto* no = static_cast<uint16_t*>(normed->untyped_data());
     if (!add) {
       if (x_bf16) add_rms_norm_rows<uint16_t, float, false>(x16, d32, wp, eps, H, xo, no, r0, r1);
       else add_rms_norm_rows<float, float, false>(x32, d32, wp, eps, H, xo, no, r0, r1);
@@ -283,8 +306,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAddRmsNorm, AddRmsNormImpl,
                                   .Ctx<ffi::ThreadPool>()          // XLA's intra-op threads
                                   .Arg<ffi::AnyBuffer>()           // x [T, H] float32 or bfloat16
                                   .Arg<ffi::AnyBuffer>()           // delta [T, H] float32 or bfloat16
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // weight [H]
+                                  .Arg<ffi::AnyBuffer>()           // weight [H] bfloat16 or float32
                                   .Ret<ffi::Buffer<ffi::F32>>()    // x_out [T, H]
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // normed [T, H]
+                                  .Ret<ffi::AnyBuffer>()           // normed [T, H], the weight's dtype
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("add"));          // 0: x_out = x, delta ignored
