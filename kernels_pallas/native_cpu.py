@@ -53,6 +53,7 @@ GEMM_PACKED_TARGET = "jaxserve_gemm_packed"
 SILU_MUL_TARGET = "jaxserve_silu_mul"
 WRITE_KV_TARGET = "jaxserve_write_kv"
 ADD_RMS_NORM_TARGET = "jaxserve_add_rms_norm"
+LOG_SOFTMAX_TARGET = "jaxserve_log_softmax"
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
 _STALE_BUILD_SECONDS = 600   # a build folder this old belongs to a process that is gone
 _BITS = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}
@@ -155,6 +156,7 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(SILU_MUL_TARGET, jax.ffi.pycapsule(lib.JaxserveSiluMul), platform="cpu")
         jax.ffi.register_ffi_target(WRITE_KV_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteKv), platform="cpu")
         jax.ffi.register_ffi_target(ADD_RMS_NORM_TARGET, jax.ffi.pycapsule(lib.JaxserveAddRmsNorm), platform="cpu")
+        jax.ffi.register_ffi_target(LOG_SOFTMAX_TARGET, jax.ffi.pycapsule(lib.JaxserveLogSoftmax), platform="cpu")
         try:
             silu_table()   # now, outside any trace (see silu_table)
         except Exception as e:  # noqa: BLE001 - the other kernels do not need it
@@ -523,3 +525,13 @@ def add_rms_norm_reference(x, delta, weight, eps: float):
         x = x + delta.astype(weight.dtype).astype(jnp.float32)
     normed = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)).astype(weight.dtype)
     return x, weight * normed
+
+
+def log_softmax(x):
+    """jax.nn.log_softmax(x, axis=-1) of logits x [S, V] float32, each row by itself on the CPU: the
+    sum of exponentials in a fixed order per row (`native/step_ops.cc`), so a row's logprobs do not
+    depend on the rows beside it (XLA's fused reduction follows the row count). Within float32
+    rounding of jax's (its exp and sum order differ). Not differentiable. Call `available()` first."""
+    if x.ndim != 2 or x.dtype != jnp.float32:
+        raise ValueError(f"log_softmax takes x [S, V] float32, got {x.dtype}{list(x.shape)}")
+    return jax.ffi.ffi_call(LOG_SOFTMAX_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x)

@@ -279,6 +279,17 @@ def native_norm_ok(norm: RMSNorm, md: AttentionMetadata | None, cpu_backend: boo
             and os.environ.get("JAXSERVE_NATIVE_NORM", "1") != "0" and _unsharded() and native_cpu.available())
 
 
+def log_softmax(logits: jax.Array, cpu_backend: bool) -> jax.Array:
+    """jax.nn.log_softmax of logits [S, V] over the vocabulary. On the `cpu` attention backend one
+    native call (`native_cpu.log_softmax`): each row's sum of exponentials in a fixed order, so a
+    row's logprobs do not depend on the step's row count (XLA's fused reduction follows it).
+    JAXSERVE_NATIVE_LOG_SOFTMAX=0 keeps XLA's."""
+    if (cpu_backend and logits.ndim == 2 and logits.dtype == jnp.float32
+            and os.environ.get("JAXSERVE_NATIVE_LOG_SOFTMAX", "1") != "0" and _unsharded() and native_cpu.available()):
+        return native_cpu.log_softmax(logits)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
     """Inverse frequencies [head_dim // 2] float32, with linear or Llama-3 scaling.
 

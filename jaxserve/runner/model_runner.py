@@ -39,7 +39,7 @@ from jax import lax
 
 from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.layers import Proj, contracted_size, pack_for_tiles, pack_kernel, unpack_kernel
+from jaxserve.models.layers import Proj, contracted_size, log_softmax, pack_for_tiles, pack_kernel, unpack_kernel
 from jaxserve.runner.inputs import (PENDING, PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
                                     later_buckets, num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket,
                                     prepare_inputs, prepare_prompt_logprobs, token_buckets)
@@ -76,7 +76,7 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
     token_ids = sample(masked, inputs.sampling).sampled_token_ids                         # [S]
 
     def with_logprobs(logits, token_ids):
-        logprobs = jax.nn.log_softmax(logits, axis=-1)    # [S, V]: of the raw model distribution, as in vLLM
+        logprobs = log_softmax(logits, model.config.attention_backend == "cpu")   # [S, V]: the raw model's, as vLLM
         top_lps, top_ids = lax.top_k(logprobs, max_logprobs)
         return jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0], top_ids, top_lps
 
@@ -124,7 +124,7 @@ def _prompt_logprobs(model, hidden: jax.Array, prompt: PromptLogprobsInputs, k: 
 
     def chunk(args):
         h, nxt = args
-        lp = jax.nn.log_softmax(model.compute_logits(h), axis=-1)             # [R, V] f32
+        lp = log_softmax(model.compute_logits(h), model.config.attention_backend == "cpu")   # [R, V] f32
         token_lp = jnp.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]       # [R]
         top_lps, top_ids = lax.cond(
             prompt.want_top, lambda lp: fast_top_k(lp, k),

@@ -1,7 +1,10 @@
-// 16-bit float bits -> float32, shared by the native CPU kernels (built together by
-// kernels_pallas/native_cpu.py). The pools and bf16 weights arrive as raw 16-bit words.
+// Scalar helpers shared by the native CPU kernels (built together by kernels_pallas/native_cpu.py):
+// 16-bit float bits -> float32 (the pools and bf16 weights arrive as raw 16-bit words), and the
+// exp of a softmax's shifted scores.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -12,6 +15,27 @@ inline float bf16_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// exp(x) for x <= 0 (softmax weights), ~1 ulp, written so the compiler vectorises it:
+// 2^n * e^f with n = round(x / ln 2) and a degree-6 polynomial for e^f, |f| <= ln2 / 2.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float f = x - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
 }
 
 }  // namespace jaxserve_native

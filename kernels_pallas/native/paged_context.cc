@@ -54,6 +54,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxserve_native::bf16_to_f32;
+using jaxserve_native::fast_exp;
 #ifdef __AVX512F__
 using jaxserve_native::bf16x16_to_f32;
 using jaxserve_native::load_bf16x16;
@@ -88,27 +89,6 @@ std::atomic<int64_t> amx_folds{0};
 
 // A finite stand-in for -inf: masked scores and empty rows (exp of it underflows to 0).
 constexpr float kMasked = -1e30f;
-
-// exp(x) for x <= 0 (softmax weights), ~1 ulp, written so the compiler vectorises it:
-// 2^n * e^f with n = round(x / ln 2) and a degree-6 polynomial for e^f, |f| <= ln2 / 2.
-inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float f = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
 
 // One page of K or V as float32 rows: a pointer into the pool for float32, else converted into `buf`.
 inline const float* page_rows(const void* kv, int64_t bits_dtype, int64_t page, int64_t page_elems, float* buf) {

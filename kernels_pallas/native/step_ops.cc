@@ -34,6 +34,13 @@
 // a float32 model: x, delta and weight float32); attributes eps (float32), add (0 or 1). Outputs:
 // x_out [T, H] float32, normed [T, H] of the weight's dtype.
 //
+// JaxserveLogSoftmax: log_softmax over the last axis of logits [S, V] float32, row by row. XLA's
+// fused reductions (YNNPACK) take a row's sum of exponentials in an order that follows the row
+// count, so a step's logprobs moved in their last bits with its batch (a prefix-cache hit, another
+// request beside it). Each row here: its max m, the sum of exp(x - m) as 16 lane sums over the
+// columns in order and sum16's tree, then (x - m) - log(sum), as jax.nn.log_softmax writes it; a
+// row with a NaN or no finite max gives NaNs, as jax's does. Input x [S, V]; output y [S, V].
+//
 // JaxserveWriteKv: a step's keys and values into their slots of the paged KV pool, in place.
 //
 // The jnp `write_kv_cache` is a scatter whose updates XLA lays out token-major ([T, 2, KVH, 1, D]), so
@@ -52,6 +59,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "bits.h"
 #include "parallel.h"
@@ -300,6 +308,59 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 }
 
 }  // namespace
+
+namespace {
+
+// Rows [r0, r1) of log_softmax(x) [*, V] into y.
+void log_softmax_rows(const float* x, float* y, int64_t V, int64_t r0, int64_t r1) {
+  using jaxserve_native::fast_exp;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * V;
+    float* yr = y + r * V;
+    float m = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    for (int64_t i = 0; i < V; ++i) {
+      nan |= std::isnan(xr[i]);
+      m = std::max(m, xr[i]);
+    }
+    if (nan || !std::isfinite(m)) {   // jax: a NaN anywhere, or inf - inf, makes the row NaN
+      std::fill(yr, yr + V, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    float lanes[16] = {};
+    auto term = [m](float v) { const float d = v - m; return d < -87.0f ? 0.0f : fast_exp(d); };   // -inf: 0
+    int64_t c = 0;
+    for (; c + 16 <= V; c += 16)
+#pragma omp simd
+      for (int64_t l = 0; l < 16; ++l) lanes[l] += term(xr[c + l]);
+    for (int64_t l = 0; c + l < V; ++l) lanes[l] += term(xr[c + l]);
+    for (int64_t half = 8; half >= 1; half /= 2)   // sum16's tree: lanes i + 8, i + 4, i + 2, i + 1
+      for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+    const float log_sum = std::log(lanes[0]);
+#pragma omp simd
+    for (int64_t i = 0; i < V; ++i) yr[i] = (xr[i] - m) - log_sum;
+  }
+}
+
+ffi::Error LogSoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("log_softmax takes x [S, V] float32");
+  if (y->element_count() != x.element_count()) return ffi::Error::InvalidArgument("log_softmax: y must be [S, V]");
+  const int64_t S = xd[0], V = xd[1];
+  if (S == 0 || V == 0) return ffi::Error::Success();
+  jaxserve_native::parallel_for(pool, S, std::max<int64_t>(1, pool.num_threads()), [&](int64_t r) {
+    log_softmax_rows(x.typed_data(), y->typed_data(), V, r, r + 1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLogSoftmax, LogSoftmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // XLA's intra-op threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x [S, V]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // log_softmax(x) over V
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAddRmsNorm, AddRmsNormImpl,
                               ffi::Ffi::Bind()

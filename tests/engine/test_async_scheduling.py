@@ -35,10 +35,10 @@ def prompts(n, seed=0, longest=110):
 
 
 def generate(llm, async_scheduling, *args):
-    """Every run from an empty prefix cache: a run that reuses an earlier run's blocks computes the
-    rest in other steps, whose token buckets differ, and XLA's YNNPACK fusions (a float32 model's
-    norms) give a row's last bits by bucket (benchmarks/RESULTS.md), which is not what these tests
-    compare."""
+    """Every run from an empty prefix cache: a run that reuses an earlier run's blocks is scheduled
+    otherwise, and a request whose step holds only its row takes the float32 one-row dot products,
+    not the tiles (benchmarks/RESULTS.md), which is not what these tests compare (prefix-cache hits:
+    the test below)."""
     llm.engine.async_scheduling = async_scheduling
     llm.engine.scheduler.kv.reset_prefix_cache()
     return llm.generate(*args, use_tqdm=False)
@@ -71,6 +71,27 @@ def test_mixed_requests_get_the_outputs_of_steps_run_one_by_one(llm, overlapped)
     assert summary(generate(llm, True, ps, params)) == summary(sync)
     assert overlapped["overlapped"] - before > 10
     assert sync[1].outputs[0].finish_reason == "stop" and len(sync[1].outputs[0].token_ids) == 4
+
+
+def test_prefix_cache_hits_leave_every_output_bit_for_bit(llm):
+    """The same requests from an empty prefix cache and again over the blocks the first run cached
+    (their rest computed in other steps, of other token buckets): the same tokens and logprobs,
+    bit for bit. (XLA's fusions took a float32 row's norm and its logprobs' sum of exponentials in
+    an order that follows the step's row count; the native add-and-norm and log_softmax take a
+    fixed order per row: JAXSERVE_NATIVE_NORM=0 or JAXSERVE_NATIVE_LOG_SOFTMAX=0 fails this.) A long request
+    keeps two rows or more in every step: a row alone in its step takes the one-row dot
+    products, whose sums run in another order than the tiles'."""
+    ps = prompts(24, seed=9) + [[7] * 20]
+    sp = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True, prompt_logprobs=1 if i % 4 == 0
+                         else None) for i in range(len(ps) - 1)]   # (prompt logprobs are computed whole: no hits)
+    sp.append(SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    llm.engine.async_scheduling = False
+    assert llm.engine.scheduler.kv.reset_prefix_cache()
+    cold = llm.generate(ps, sp, use_tqdm=False)
+    hits = llm.engine.scheduler.kv.stats.hits
+    warm = llm.generate(ps, sp, use_tqdm=False)
+    assert llm.engine.scheduler.kv.stats.hits > hits
+    assert summary(warm) == summary(cold)
 
 
 def test_one_sequence_at_a_time_overlaps_every_decode(llm, overlapped):

@@ -594,3 +594,41 @@ def test_decoder_takes_the_native_norm_in_its_steps(tiny_models, dtype, monkeypa
     assert grads and all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("s,v", [(1, 49152), (7, 1000), (64, 515), (3, 5)], ids=str)
+def test_log_softmax_is_jaxs_and_each_row_its_own(s, v):
+    """The native log_softmax: jax's values within float32 rounding (its exp and its sum's order
+    differ), each row the same bits whatever rows are beside it."""
+    x = jnp.asarray(np.random.default_rng(s * v).standard_normal((s, v)) * 6, jnp.float32)
+    got = np.asarray(jax.jit(native_cpu.log_softmax)(x))
+    want = np.asarray(jax.nn.log_softmax(x, axis=-1))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    for rows in range(1, s):
+        np.testing.assert_array_equal(np.asarray(jax.jit(native_cpu.log_softmax)(x[:rows])), got[:rows])
+
+
+def test_log_softmax_of_rows_with_inf_or_nan_is_jaxs():
+    """-inf logits (a banned token) get -inf; a row with a NaN, or all -inf, is NaN, as in jax."""
+    x = np.zeros((4, 40), np.float32)
+    x[0, :5] = -np.inf
+    x[1, 3] = np.nan
+    x[2, :] = -np.inf
+    x[3, 7] = np.inf
+    got = np.asarray(native_cpu.log_softmax(jnp.asarray(x)))
+    want = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert np.all(np.isneginf(got[0, :5]))
+
+
+@pytest.mark.parametrize("x", [((3, 8), jnp.bfloat16), ((8,), jnp.float32), ((2, 3, 4), jnp.float32)], ids=str)
+def test_log_softmax_refuses_bad_operands(x):
+    with pytest.raises(ValueError, match="log_softmax takes x \\[S, V\\] float32"):
+        native_cpu.log_softmax(jnp.zeros(*x))
+
+
+def test_step_logprobs_take_the_native_log_softmax(tiny_engine):
+    """The cpu backend's step computes its logprobs with the native call."""
+    runner = tiny_engine.runner
+    assert "jaxserve_log_softmax" in runner._executable((4, runner.rows(4))).as_text()
