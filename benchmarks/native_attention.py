@@ -1,4 +1,4 @@
-"""The native CPU attention kernel alone, one layer: shared pages folded 16 rows at a time or not; AMX tiles or not.
+"""The native CPU attention kernel alone, a layer's call: shared pages folded 16 rows at a time or not; AMX tiles or not.
 
 Times `native_cpu.paged_context_native` on the default model's attention shapes (9 q heads,
 3 KV heads, head_dim 64, pages of 16; `--head-dim 128`: 8 q heads, 2 KV heads, a softmax scale
@@ -12,9 +12,13 @@ outputs (the tiles round the softmax weights to bf16). Cases:
 - decodes: 64 decodes of 256 tokens, no page shared;
 - prefill: one 512-token chunk after 256 cached tokens (blocks of 16 queries);
 - mixed: the shared case's decodes next to a 128-token prefill.
+`--layers N` times N layers' calls in one jitted function, each layer its own pool, and reports a
+layer's time: with enough layers the pools come from memory, as in a step (one layer's pool may
+stay in a large L3 however `--cold` evicts). `--contiguous` puts each sequence's pages in
+consecutive pool blocks (default: scattered at random).
 
     python benchmarks/native_attention.py [--dtype float32|bfloat16] [--reps 40] [--cold] [--compare lanes|amx]
-                                          [--head-dim 64|128]
+                                          [--head-dim 64|128] [--layers 1] [--contiguous]
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ def main():
     p.add_argument("--contiguous", action="store_true",
                    help="each sequence's pages in consecutive pool blocks (default: scattered at random)")
     args = p.parse_args()
+    if args.layers < 1:
+        p.error("--layers takes 1 or more")
     assert native_cpu.available(), "the native kernel does not build here"
     if args.compare == "amx" and not (args.dtype == "bfloat16" and native_cpu.gemm_amx()):
         p.error("--compare amx needs --dtype bfloat16 and a CPU with AMX tiles")

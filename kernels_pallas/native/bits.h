@@ -17,6 +17,22 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// A row's sum as the kernels take it, so that it depends only on the row: 16 lane sums over
+// i = 0 .. n - 1 in order (lane i mod 16; `step(lane, i)` returns the lane with term i added),
+// then sum16's tree (lanes l + 8, l + 4, l + 2, l + 1). Written so the compiler vectorises it.
+template <typename Step>
+inline float ordered_sum16(int64_t n, Step step) {
+  float lanes[16] = {};
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+#pragma omp simd
+    for (int64_t l = 0; l < 16; ++l) lanes[l] = step(lanes[l], c + l);
+  for (int64_t l = 0; c + l < n; ++l) lanes[l] = step(lanes[l], c + l);
+  for (int64_t half = 8; half >= 1; half /= 2)
+    for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+  return lanes[0];
+}
+
 // exp(x) for x <= 0 (softmax weights), ~1 ulp, written so the compiler vectorises it:
 // 2^n * e^f with n = round(x / ln 2) and a degree-6 polynomial for e^f, |f| <= ln2 / 2.
 inline float fast_exp(float x) {
@@ -32,7 +48,7 @@ inline float fast_exp(float x) {
   p = p * f * f + f + 1.0f;
   int32_t bits;
   std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
+  bits += static_cast<int32_t>(static_cast<uint32_t>(static_cast<int32_t>(n)) << 23);   // 2^n (no signed shift)
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;

@@ -232,15 +232,10 @@ void add_rms_norm_rows(const X* x, const Delta* delta, const Out* weight, float 
       else if constexpr (kAdd) v += dr[i];
       row[i] = v;
     }
-    float lanes[16] = {};
-    int64_t c = 0;
-    for (; c + 16 <= H; c += 16)
-#pragma omp simd
-      for (int64_t l = 0; l < 16; ++l) lanes[l] = std::fma(row[c + l], row[c + l], lanes[l]);
-    for (int64_t l = 0; c + l < H; ++l) lanes[l] = std::fma(row[c + l], row[c + l], lanes[l]);
-    for (int64_t half = 8; half >= 1; half /= 2)   // sum16's tree: lanes i + 8, i + 4, i + 2, i + 1
-      for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
-    const float scale = 1.0f / std::sqrt(lanes[0] * inv_h + eps);
+    const float squares = jaxserve_native::ordered_sum16(H, [row](float lane, int64_t i) {
+      return std::fma(row[i], row[i], lane);
+    });
+    const float scale = 1.0f / std::sqrt(squares * inv_h + eps);
     Out* out = normed + r * H;
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) {
@@ -317,26 +312,33 @@ void log_softmax_rows(const float* x, float* y, int64_t V, int64_t r0, int64_t r
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = x + r * V;
     float* yr = y + r * V;
-    float m = -std::numeric_limits<float>::infinity();
-    bool nan = false;
-    for (int64_t i = 0; i < V; ++i) {
-      nan |= std::isnan(xr[i]);
-      m = std::max(m, xr[i]);
-    }
-    if (nan || !std::isfinite(m)) {   // jax: a NaN anywhere, or inf - inf, makes the row NaN
-      std::fill(yr, yr + V, std::numeric_limits<float>::quiet_NaN());
-      continue;
-    }
-    float lanes[16] = {};
-    auto term = [m](float v) { const float d = v - m; return d < -87.0f ? 0.0f : fast_exp(d); };   // -inf: 0
+    float top[16], odd[16];   // per lane: the max, and a NaN seen (as 1) -- both vectorise
+    std::fill(top, top + 16, -std::numeric_limits<float>::infinity());
+    std::fill(odd, odd + 16, 0.0f);
     int64_t c = 0;
     for (; c + 16 <= V; c += 16)
 #pragma omp simd
-      for (int64_t l = 0; l < 16; ++l) lanes[l] += term(xr[c + l]);
-    for (int64_t l = 0; c + l < V; ++l) lanes[l] += term(xr[c + l]);
-    for (int64_t half = 8; half >= 1; half /= 2)   // sum16's tree: lanes i + 8, i + 4, i + 2, i + 1
-      for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
-    const float log_sum = std::log(lanes[0]);
+      for (int64_t l = 0; l < 16; ++l) {
+        const float v = xr[c + l];
+        top[l] = v > top[l] ? v : top[l];
+        odd[l] = v != v ? 1.0f : odd[l];
+      }
+    for (int64_t l = 0; c + l < V; ++l) {
+      const float v = xr[c + l];
+      top[l] = v > top[l] ? v : top[l];
+      odd[l] = v != v ? 1.0f : odd[l];
+    }
+    const float m = *std::max_element(top, top + 16);   // exact: any order gives the max
+    if (*std::max_element(odd, odd + 16) > 0.0f || !std::isfinite(m)) {   // jax: a NaN, or inf - inf: NaN
+      std::fill(yr, yr + V, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    // exp(x - m), 0 below e^-87 (-inf included: fast_exp clamps there, the factor zeroes it)
+    const float sum = jaxserve_native::ordered_sum16(V, [xr, m](float lane, int64_t i) {
+      const float d = xr[i] - m;
+      return lane + fast_exp(d) * (d >= -87.0f ? 1.0f : 0.0f);
+    });
+    const float log_sum = std::log(sum);
 #pragma omp simd
     for (int64_t i = 0; i < V; ++i) yr[i] = (xr[i] - m) - log_sum;
   }
