@@ -1,4 +1,4 @@
-"""The native CPU attention kernel alone, a layer's call: shared pages folded 16 rows at a time or not; AMX tiles or not.
+"""The native CPU attention kernel alone, per layer: shared pages folded 16 rows at a time or not; AMX tiles or not.
 
 Times `native_cpu.paged_context_native` on the default model's attention shapes (9 q heads,
 3 KV heads, head_dim 64, pages of 16; `--head-dim 128`: 8 q heads, 2 KV heads, a softmax scale
@@ -88,7 +88,7 @@ def main():
     p.add_argument("--compare", choices=["lanes", "amx"], default="lanes")
     p.add_argument("--head-dim", type=int, choices=sorted(HEADS), default=64)
     p.add_argument("--cold", action="store_true",
-                   help="read 64 MB before each call (on a CPU with a larger L3 the pool may stay cached: see --layers)")
+                   help="read 64 MB before each call (a larger L3 may keep the pool cached: see --layers)")
     p.add_argument("--layers", type=int, default=1,
                    help="time this many layers' calls in one jitted function, each layer its own pool (as a step "
                         "reads them: with enough layers the pools come from memory); times are per layer")

@@ -499,8 +499,8 @@ def add_rms_norm(x, delta, weight, eps: float):
     float32 model (weight [H] float32): x and delta float32, nothing rounded; returns two float32
     arrays. Either way `add_rms_norm_reference`'s values but for the norm's sum of squares, taken
     in a fixed order of its own per row (`native/step_ops.cc`; XLA's order depends on the step's
-    shape), which may move an output by a few ulps (bf16: 2, float32: 5 in the tests). Not differentiable (the engine's step only). Call
-    `available()` first."""
+    shape), which may move an output by a few ulps (bf16: 2, float32: 5 in the tests). Not
+    differentiable (the engine's step only). Call `available()` first."""
     f32 = weight.dtype == jnp.float32
     if (x.ndim != 2 or x.dtype not in ((jnp.float32,) if f32 else (jnp.float32, jnp.bfloat16))
             or weight.shape != x.shape[-1:] or weight.dtype not in (jnp.float32, jnp.bfloat16)):

@@ -302,10 +302,6 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-}  // namespace
-
-namespace {
-
 // Rows [r0, r1) of log_softmax(x) [*, V] into y.
 void log_softmax_rows(const float* x, float* y, int64_t V, int64_t r0, int64_t r1) {
   using jaxserve_native::fast_exp;
