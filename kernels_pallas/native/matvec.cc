@@ -11,8 +11,8 @@
 // bfloat16. Outputs: y_i [N_i] float32.
 
 #include <algorithm>
-#include <type_traits>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "bits.h"
@@ -23,7 +23,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return jaxserve_native::bf16_to_f32(p[i]); }  // bf16 bits

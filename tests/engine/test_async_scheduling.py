@@ -80,9 +80,9 @@ def test_prefix_cache_hits_leave_every_output_bit_for_bit(llm):
     (their rest computed in other steps, of other token buckets): the same tokens and logprobs,
     bit for bit. (XLA's fusions took a float32 row's norm and its logprobs' sum of exponentials in
     an order that follows the step's row count; the native add-and-norm and log_softmax take a
-    fixed order per row: JAXSERVE_NATIVE_NORM=0 or JAXSERVE_NATIVE_LOG_SOFTMAX=0 fails this.) A long request
-    keeps two rows or more in every step: a row alone in its step takes the one-row dot
-    products, whose sums run in another order than the tiles'."""
+    fixed order per row: JAXSERVE_NATIVE_NORM=0 or JAXSERVE_NATIVE_LOG_SOFTMAX=0 fails this.) A
+    long request keeps two rows or more in every step: a row alone in its step takes the one-row
+    dot products, whose sums run in another order than the tiles'."""
     ps = prompts(24, seed=9) + [[7] * 20]
     sp = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True, prompt_logprobs=1 if i % 4 == 0
                          else None) for i in range(len(ps) - 1)]   # (prompt logprobs are computed whole: no hits)
