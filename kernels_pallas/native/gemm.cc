@@ -695,9 +695,11 @@ inline void split_weight_step(const float* w, int64_t N, int64_t K, int64_t K32,
 }
 
 // Split x lies in chunks of `cr` rows (x_chunk_rows), chunk c at xs + 3 K32 cr c, as
-// [3][K32 / 2][cr][2]: [j][p][i] holds part j of x[m, 2p] and x[m, 2p + 1] for x row m = c cr + i
-// (in the split's k order, the same for x and the weight). A chunk's tile rows are then 4 cr
-// bytes apart (larger powers of two put a tile's rows in few cache sets).
+// [3][K32 / 32][cr / 16][16][16][2]: [j][s][b][p][i] holds part j of x[m, 2q] and x[m, 2q + 1] for
+// k pair q = 16 s + p and x row m = c cr + 16 b + i (in the split's k order, the same for x and
+// the weight). Each tile the kernel loads (16 k pairs of 16 rows) is then 1 KB in one piece:
+// with its rows 4 cr bytes apart (a [K32 / 2][cr][2] chunk) a k step took ~13% longer (one thread,
+// operands in L2).
 
 // The parts of x rows [m0, m0 + 16) (rows past M zero; m0 a multiple of 16), k pairs [p0, p0 + 16).
 void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0, int64_t cr, uint16_t* xs) {
@@ -717,7 +719,8 @@ void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0,
   for (int j = 0; j < 3; ++j) {
     transpose16(rows[j]);   // rows[j][p]: pair p0 + p over x rows m0 .. m0 + 15
     for (int64_t p = 0; p < 16; ++p)
-      _mm512_store_si512(xs + 3 * K32 * cr * (m0 / cr) + ((j * (K32 / 2) + p0 + p) * cr + m0 % cr) * 2, rows[j][p]);
+      _mm512_store_si512(xs + 3 * K32 * cr * (m0 / cr) + j * K32 * cr + (p0 / 16 * cr + m0 % cr) * 32 + 32 * p,
+                         rows[j][p]);
   }
 }
 
@@ -732,14 +735,14 @@ inline __m512 fma_dots(const float* x, const float* w, int64_t K, __m512 out, __
 }
 
 // y[xm + i, n0 + c] = sum_k w[n0 + c, k] x[xm + i, k] for i < rows (<= 16 MB), c < cols (<= 16),
-// from the split weight rows ws [3][16][K32] and x's split chunk of rows xm .. (xc: [3][K32 / 2][cr][2]).
+// from the split weight rows ws [3][16][K32] and x's split chunk of rows xm .. (xc, laid out as above).
 // With `split`, the weight rows are split into ws a k step ahead of the tiles (the first pass
 // over them). x and w as they are: for outputs that come out inf or NaN.
 template <int MB>
 void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int64_t K, uint16_t* ws, int64_t K32,
                      const uint16_t* xc, int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols) {
-  const int64_t part_w = 16 * K32, part_x = K32 / 2 * cr * 2;   // words from one part to the next
-  const int64_t sw = K32 * 2, sx = cr * 4;
+  const int64_t part_w = 16 * K32, part_x = K32 * cr;   // words from one part to the next
+  const int64_t sw = K32 * 2, sx = 64;   // bytes from one tile row to the next
   _tile_zero(0);
   if (MB > 1) _tile_zero(1);
   if (MB > 2) _tile_zero(2);
@@ -750,16 +753,16 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
     _tile_loadd(5, ws + part_w + k, sw);
     _tile_loadd(6, ws + 2 * part_w + k, sw);
     if (split && k + 32 < K32) split_weight_step(w, N, K, K32, n0, k + 32, ws);
-    const uint16_t* xb = xc + k / 2 * cr * 2;
+    const uint16_t* xb = xc + k * cr;   // k step k / 32 of each part: cr / 16 tiles of 512 words
 #define JAXSERVE_F32_TILES_BLOCK(b)                                              \
-    _tile_loadd(7, xb + 32 * b, sx);                                             \
+    _tile_loadd(7, xb + 512 * b, sx);                                            \
     _tile_dpbf16ps(b, 4, 7);                                                     \
     _tile_dpbf16ps(b, 5, 7);                                                     \
     _tile_dpbf16ps(b, 6, 7);                                                     \
-    _tile_loadd(7, xb + part_x + 32 * b, sx);                                    \
+    _tile_loadd(7, xb + part_x + 512 * b, sx);                                   \
     _tile_dpbf16ps(b, 4, 7);                                                     \
     _tile_dpbf16ps(b, 5, 7);                                                     \
-    _tile_loadd(7, xb + 2 * part_x + 32 * b, sx);                                \
+    _tile_loadd(7, xb + 2 * part_x + 512 * b, sx);                               \
     _tile_dpbf16ps(b, 4, 7);
     JAXSERVE_F32_TILES_BLOCK(0)
     if (MB > 1) { JAXSERVE_F32_TILES_BLOCK(1) }
