@@ -127,10 +127,15 @@ _LOCK = threading.Lock()
 
 
 def available() -> bool:
-    """True once the kernels are built, loaded and registered for the CPU platform (tried once per process).
+    """True when the kernels may run in this process's computations: JAX's default backend is the CPU
+    (the targets are registered for the CPU platform only, so a `cpu` attention backend chosen on a
+    GPU or TPU host keeps its jnp paths and XLA's dots) and they built, loaded and registered (tried
+    once per process).
 
     Thread-safe: the runner compiles its token buckets on several threads at once.
     """
+    if jax.default_backend() != "cpu":
+        return False
     with _LOCK:
         return _load() is not None
 

@@ -195,7 +195,7 @@ def native_matvec_ok(x: jax.Array, weight: jax.Array) -> bool:
     """
     if x.shape[0] != 1 or weight.dtype not in (jnp.float32, jnp.bfloat16):
         return False
-    return _unsharded() and native_cpu.available()
+    return native_here()
 
 
 def native_gemm_ok(x: jax.Array, weight: jax.Array) -> bool:
@@ -203,14 +203,13 @@ def native_gemm_ok(x: jax.Array, weight: jax.Array) -> bool:
     can take them here (static checks: unsharded, the CPU has AVX-512 BF16)."""
     if x.shape[0] < 2 or x.dtype != weight.dtype or weight.dtype not in (jnp.float32, jnp.bfloat16):
         return False
-    return _unsharded() and native_cpu.gemm_enabled() and native_cpu.gemm_available()
+    return native_here() and native_cpu.gemm_enabled() and native_cpu.gemm_available()
 
 
 def native_kv_write_ok() -> bool:
     """True when the `cpu` backend can write K/V natively here (`native_cpu.write_kv`: no transposing
     copy before the scatter; unsharded). JAXSERVE_NATIVE_KV_WRITE=0 keeps the jnp scatter (A/B)."""
-    return (os.environ.get("JAXSERVE_NATIVE_KV_WRITE", "1") != "0" and _unsharded()
-            and native_cpu.available())
+    return native_here("JAXSERVE_NATIVE_KV_WRITE")
 
 
 def native_silu_mul_ok(projs: list[Proj], x: jax.Array) -> bool:
@@ -218,7 +217,16 @@ def native_silu_mul_ok(projs: list[Proj], x: jax.Array) -> bool:
     gives XLA's bits from their float32 products at ~3.5x XLA's rate in the step (benchmarks/RESULTS.md).
     JAXSERVE_NATIVE_SILU=0 keeps XLA's (A/B benchmarks)."""
     return (all(p.bias is None and (p.dtype or x.dtype) == jnp.bfloat16 for p in projs)
-            and os.environ.get("JAXSERVE_NATIVE_SILU", "1") != "0" and native_cpu.silu_table_ready())
+            and native_here("JAXSERVE_NATIVE_SILU") and native_cpu.silu_table_ready())
+
+
+def native_here(switch: str | None = None) -> bool:
+    """The native CPU kernels may run in the step being traced: `switch` (an environment variable,
+    read when a step is traced; "0" turns that kernel off for A/B benchmarks) is on, no mesh axis is
+    sharded (a sharded step's matmuls and their collectives are left to XLA), and the kernels run
+    here (`native_cpu.available()`: built, on JAX's CPU platform)."""
+    return ((switch is None or os.environ.get(switch, "1") != "0") and _unsharded()
+            and native_cpu.available())
 
 
 def _unsharded() -> bool:
@@ -276,7 +284,7 @@ def native_norm_ok(norm: RMSNorm, md: AttentionMetadata | None, cpu_backend: boo
     moved a row's last bits). JAXSERVE_NATIVE_NORM=0 keeps XLA's fusions (A/B benchmarks)."""
     dtype = norm.weight[...].dtype
     return (cpu_backend and md is not None and dtype in (jnp.bfloat16, jnp.float32) and norm.dtype == dtype
-            and os.environ.get("JAXSERVE_NATIVE_NORM", "1") != "0" and _unsharded() and native_cpu.available())
+            and native_here("JAXSERVE_NATIVE_NORM"))
 
 
 def log_softmax(logits: jax.Array, cpu_backend: bool) -> jax.Array:
@@ -285,7 +293,7 @@ def log_softmax(logits: jax.Array, cpu_backend: bool) -> jax.Array:
     row's logprobs do not depend on the step's row count (XLA's fused reduction follows it).
     JAXSERVE_NATIVE_LOG_SOFTMAX=0 keeps XLA's."""
     if (cpu_backend and logits.ndim == 2 and logits.dtype == jnp.float32
-            and os.environ.get("JAXSERVE_NATIVE_LOG_SOFTMAX", "1") != "0" and _unsharded() and native_cpu.available()):
+            and native_here("JAXSERVE_NATIVE_LOG_SOFTMAX")):
         return native_cpu.log_softmax(logits)
     return jax.nn.log_softmax(logits, axis=-1)
 
