@@ -215,7 +215,7 @@ def prefill_enabled() -> bool:
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                          bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None,
                          q_bf16: bool = False, min_lane_fill: int | None = None, amx: bool | None = None,
-                         score_scale: float = 1.0):
+                         score_scale: float = 1.0, out_dtype=jnp.float32):
     """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
     included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
@@ -232,16 +232,19 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     rounded to bf16 for P x V (as HF's and vLLM's bf16 attention have them). `score_scale`: on
     that path only (`amx_attention_applies`), the scores are multiplied by it, so a bf16 q can
     come unscaled when its softmax scale is no power of two (a scaled one would not be bf16).
-    Returns (out
-    [T, QH, D], lse [T, QH]) float32; rows of other sequences are (0, -inf). Call `available()` first.
+    Returns (out [T, QH, D] in `out_dtype`, lse [T, QH] float32); rows of other sequences are (0, -inf).
+    `out_dtype` bfloat16: out rounded as `.astype(jnp.bfloat16)` rounds it, written so by the kernel
+    (the same bits, without another pass over it). Call `available()` first.
     """
+    if out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"paged_context_native returns float32 or bfloat16, got {out_dtype}")
     num_tokens, num_q_heads, head_dim = qs.shape
     bits = 0 if kv_cache.dtype == jnp.float32 else _BITS.get(np.dtype(bits_dtype))
     if bits is None or (bits == 0) != (kv_cache.dtype == jnp.float32):
         raise ValueError(f"native CPU attention reads float32 pools or uint16 bits of bfloat16/float16, "
                          f"got a {kv_cache.dtype} pool of {bits_dtype}")
     call = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), jnp.float32),
+        TARGET, (jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)))
     return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
                 jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),

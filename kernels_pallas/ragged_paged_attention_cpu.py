@@ -125,7 +125,8 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
         out, _ = native_cpu.paged_context_native(
             rows, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, bits_dtype=q.dtype,
             max_q_len=num_tokens, sliding_window=sliding_window, soft_cap=soft_cap, q_bf16=q_bf16,
-            min_lane_fill=min_lane_fill, amx=amx, score_scale=sm_scale if scale_scores else 1.0)
+            min_lane_fill=min_lane_fill, amx=amx, score_scale=sm_scale if scale_scores else 1.0,
+            out_dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32)   # bf16: rounded in the kernel
         return out.astype(q.dtype)
     if native and decode_query_len > 0:
         # Short runs (decodes) read their whole context natively (the pool holds this step's

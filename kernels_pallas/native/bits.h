@@ -1,6 +1,6 @@
 // Scalar helpers shared by the native CPU kernels (built together by kernels_pallas/native_cpu.py):
-// 16-bit float bits -> float32 (the pools and bf16 weights arrive as raw 16-bit words), and the
-// exp of a softmax's shifted scores.
+// 16-bit float bits -> float32 (the pools and bf16 weights arrive as raw 16-bit words) and back,
+// and the exp of a softmax's shifted scores.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +15,19 @@ inline float bf16_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// float32 bits -> bfloat16 bits, as XLA's convert: to nearest even, subnormals kept, a NaN stays a
+// NaN (made quiet).
+inline uint32_t round_to_bf16(uint32_t bits) {
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bits >> 16) | 0x40u;
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
+inline uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
 }
 
 // A row's sum as the kernels take it, so that it depends only on the row: 16 lane sums over

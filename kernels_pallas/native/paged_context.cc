@@ -24,7 +24,8 @@
 // query_start_loc[s] in 1..max_q_len, each query row (position context_len - q_len + j)
 // attends the keys at positions <= its own (the pool already holds this step's keys),
 // limited to the last `sliding_window` positions when it is > 0, logits soft-capped when
-// soft_cap > 0. Outputs: out [T, QH, D] float32 normalised, lse [T, QH] float32
+// soft_cap > 0. Outputs: out [T, QH, D] float32 normalised (or bfloat16, rounded as XLA's
+// convert rounds: its consumer's dtype, without a pass of XLA's over it), lse [T, QH] float32
 // log-sum-exp; rows of other sequences are 0 and -inf. It computes what the reference
 // computes for those rows; the tests check it against a float64 oracle (on the tiles, within
 // what rounding the softmax weights to bf16 allows).
@@ -115,7 +116,7 @@ struct Problem {
   const int32_t* tables;    // [S, MB]
   const int32_t* ctx_lens;  // [S]
   const int32_t* qsl;       // [S + 1]
-  float* out;               // [T, QH, D]
+  void* out;                // [T, QH, D] float32, or bfloat16 bits (out_bf16)
   float* lse;               // [T, QH]
   int64_t T, QH, D, KVH, NB, BS, MB, G, bits_dtype, sliding_window;
   float soft_cap;
@@ -123,6 +124,13 @@ struct Problem {
   int64_t min_lane_fill;    // fold shared pages 16 rows at a time when that fills lanes this well (0: never)
   bool amx;                 // every fold on AMX tiles (attend_amx)
   float score_scale;        // the tiles' scores times this (q unscaled: a scale that is no power of two)
+  bool out_bf16;            // out rounded to bfloat16 as XLA's convert rounds (its consumer's dtype)
+
+  void put_out(int64_t i, float value) const {
+    if (out_bf16) static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(jaxserve_native::round_to_bf16(
+        jaxserve_native::bits_of(value)));
+    else static_cast<float*>(out)[i] = value;
+  }
 };
 
 constexpr int64_t kSeqGroup = 16;    // short runs walked page by page together (see `attend`)
@@ -1106,10 +1114,10 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
       const float inv = 1.0f / r.l[k];
       if (amx_columns) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        for (int64_t d = 0; d < D; ++d) pr.out[row * D + amx_col(d)] = r.acc[k * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) pr.put_out(row * D + amx_col(d), r.acc[k * D + d] * inv);
 #endif
       } else {
-        for (int64_t d = 0; d < D; ++d) pr.out[row * D + d] = r.acc[k * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) pr.put_out(row * D + d, r.acc[k * D + d] * inv);
       }
       pr.lse[row] = r.m[k] + std::log(r.l[k]);
     }
@@ -1118,17 +1126,21 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
 
 ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                            ffi::Buffer<ffi::S32> num_seqs_buf, ffi::ResultBuffer<ffi::F32> out,
+                            ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Result<ffi::AnyBuffer> out,
                             ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
                             int64_t sliding_window, float soft_cap, int64_t q_bf16, int64_t min_lane_fill,
                             int64_t amx, float score_scale) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
+  const bool out_bf16 = out->element_type() == ffi::DataType::BF16;
+  if (!out_bf16 && out->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("out must be float32 or bfloat16");
+  if (out->element_count() != q.element_count()) return ffi::Error::InvalidArgument("out must be [T, QH, D]");
   Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
-             query_start_loc.typed_data(), out->typed_data(), lse->typed_data(),
+             query_start_loc.typed_data(), out->untyped_data(), lse->typed_data(),
              qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
-             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill, false, score_scale};
+             sliding_window, soft_cap, q_bf16 != 0, min_lane_fill, false, score_scale, out_bf16};
   if (kd[4] != pr.D || pr.QH % pr.KVH) return ffi::Error::InvalidArgument("q and kv shapes disagree");
   pr.G = pr.QH / pr.KVH;
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1139,7 +1151,7 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     return ffi::Error::InvalidArgument("score_scale other than 1 needs the AMX path (amx set, a bf16 q against a bf16 "
                                        "pool, head dim 64 or 128, pages of a multiple of 16, no soft cap, AMX usable)");
   const int64_t num_seqs = std::min<int64_t>(num_seqs_buf.typed_data()[0], block_tables.dimensions()[0]);
-  std::fill(pr.out, pr.out + pr.T * pr.QH * pr.D, 0.0f);
+  std::memset(pr.out, 0, out->size_bytes());   // 0 in either dtype
   std::fill(pr.lse, pr.lse + pr.T * pr.QH, -std::numeric_limits<float>::infinity());
   auto fn = &attend<0>;   // the vector folds take pages of 16, 32, ... keys and head dims 64 / 128
   if (pr.BS % 16 == 0 && pr.D == 64) fn = &attend<64>;
@@ -1201,7 +1213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::AnyBuffer>()          // out, float32 or bfloat16
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Attr<int64_t>("bits_dtype")
                                   .Attr<int64_t>("max_q_len")

@@ -74,17 +74,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// float32 bits -> bfloat16 bits, rounded to nearest even; a NaN stays a NaN (made quiet).
-inline uint32_t round_to_bf16(uint32_t bits) {
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bits >> 16) | 0x40u;
-  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-}
-
-inline uint32_t bits_of(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
+using jaxserve_native::bits_of;
+using jaxserve_native::round_to_bf16;
 
 // A value as bfloat16 bits: a float32 rounded (to nearest even, NaNs quiet), or bfloat16 bits as they are.
 inline uint32_t bf16_bits(float f) { return round_to_bf16(bits_of(f)); }

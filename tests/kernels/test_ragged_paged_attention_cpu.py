@@ -259,6 +259,42 @@ def test_bf16_queries_dot_the_pages_as_they_lie(head_dim):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(got[True].astype(jnp.bfloat16)))
 
 
+@pytest.mark.skipif(not native_cpu.available(), reason="native kernel not built here")
+@pytest.mark.parametrize("pool, amx", [("bfloat16", True), ("bfloat16", False), ("float32", False)])
+def test_bf16_output_is_the_float32_output_rounded_as_xla_rounds_it(pool, amx):
+    """`out_dtype=bfloat16` (what the model's bf16 attention asks for): every output is the float32
+    kernel's rounded as `.astype(jnp.bfloat16)` rounds it, bit for bit (NaN rows included), padding
+    rows 0; lse as in the float32 call."""
+    if amx and not native_cpu.attention_amx():
+        pytest.skip("no AMX tiles here")
+    seqs = [(70, 1), (33, 1), (90, 20), (1, 1), (48, 2), (40, 17), (130, 1)]
+    q, cache, tables, ctx, qsl, num_seqs = make_batch(seqs, block_size=16, head_dim=64, num_blocks=64, max_blocks=9,
+                                                      num_kv_heads=3, group=3, seed=7)
+    q = np.asarray(jnp.asarray(q * 4.0, jnp.bfloat16).astype(jnp.float32)) * 0.125   # bf16 values, scaled
+    cache[1, 1, tables[1, 0], 3] = np.nan   # the second decode's head-1 rows come out NaN
+    cache[1, 2, tables[5, 1], 0] = 1e30     # a large value in one prefill's V: rounds to inf or stays finite
+    kv = jnp.asarray(cache, jnp.bfloat16) if pool == "bfloat16" else jnp.asarray(cache)
+    kv = jnp.asarray(np.asarray(kv).view(np.uint16)) if pool == "bfloat16" else kv
+    meta = tuple(map(jnp.asarray, (tables, ctx, qsl))) + (num_seqs,)
+
+    def attend(out_dtype):
+        return native_cpu.paged_context_native(jnp.asarray(q), kv, *meta, bits_dtype=jnp.bfloat16,
+                                               max_q_len=q.shape[0], sliding_window=None, soft_cap=None,
+                                               q_bf16=True, amx=amx, out_dtype=out_dtype)
+
+    (f32, lse32), (b16, lse16) = attend(jnp.float32), attend(jnp.bfloat16)
+    assert b16.dtype == jnp.bfloat16
+    want = np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16)
+    np.testing.assert_array_equal(np.asarray(b16).view(np.uint16), want)
+    np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+    assert np.isnan(np.asarray(f32)[int(qsl[1]), 3:6]).all()           # the NaN reached its rows ...
+    assert not np.isnan(np.asarray(f32)[int(qsl[0])]).any()            # ... and no others
+    assert not np.asarray(b16)[int(qsl[num_seqs]):].astype(np.float32).any()   # padding rows: 0
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native_cpu.paged_context_native(jnp.asarray(q), kv, *meta, bits_dtype=jnp.bfloat16, max_q_len=q.shape[0],
+                                        sliding_window=None, soft_cap=None, out_dtype=jnp.float16)
+
+
 def _shared_prefix_batch(block_size, head_dim, *, group=3):
     """12 decodes over a 9-page shared prefix and 3 more pages each, 2 decodes of their own, one
     decode sharing only the first 2 pages, and a 37-query prefill chunk after 70 tokens."""
