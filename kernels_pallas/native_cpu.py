@@ -480,20 +480,41 @@ def _silu_mul_bwd(residuals, g):
 _silu_mul.defvjp(_silu_mul_fwd, _silu_mul_bwd)
 
 
-def write_kv(kv_cache, k, v, slot_mapping):
+def write_kv(kv_cache, k, v, slot_mapping, *, rope=None):
     """`write_kv_cache(kv_cache, k, v, slot_mapping)` on the CPU: each token's K/V rows copied into its
     slot of the pool, which is updated in place (donate it); the same bits as the jnp scatter.
 
     XLA lays the scatter's updates out token-major, so the fusion feeding it ends in a transposing
-    copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/step_ops.cc`). Not
+    copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/step_ops.cc`). bfloat16 k
+    and v go in as they are (a uint16 pool holds their bits). `rope` (cos, sin) [T, D] bfloat16 (where
+    `rope_write_applies`): k comes unrotated and is rotated on its way in, with the roundings XLA's
+    fusion of a bf16 model's rotate-half RoPE takes (each product rounded to bf16, their sum in
+    float32 rounded to bf16), so the pool gets the same bits without XLA's pass over k. Not
     differentiable (the training path has no cache). Call `available()` first.
     """
     check_kv_write(kv_cache, k, v, slot_mapping)
-    if kv_cache.dtype == jnp.uint16:   # the bits of k's 16-bit float type, as the jnp write stores them
+    if rope is not None and not rope_write_applies(k, kv_cache):
+        raise ValueError(f"write_kv(rope=...) takes bfloat16 k into a uint16 pool with a head dim of a multiple of 32, "
+                         f"got k {k.dtype}{list(k.shape)} and a {kv_cache.dtype} pool")
+    if kv_cache.dtype == jnp.uint16 and k.dtype != jnp.bfloat16:   # the bits of k's 16-bit float type
         k, v = [jax.lax.bitcast_convert_type(x.astype(k.dtype), jnp.uint16) for x in (k, v)]
+    elif kv_cache.dtype != jnp.uint16:
+        k, v = k.astype(kv_cache.dtype), v.astype(kv_cache.dtype)
+    cos, sin = rope if rope is not None else (jnp.zeros((0,), jnp.bfloat16),) * 2
+    if rope is not None and (cos.shape != (k.shape[0], k.shape[2]) or sin.shape != cos.shape
+                             or cos.dtype != jnp.bfloat16 or sin.dtype != jnp.bfloat16):
+        raise ValueError(f"write_kv's rope takes cos and sin [T, D] = [{k.shape[0]}, {k.shape[2]}] bfloat16, got "
+                         f"{cos.dtype}{list(cos.shape)} and {sin.dtype}{list(sin.shape)}")
     call = jax.ffi.ffi_call(WRITE_KV_TARGET, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                             input_output_aliases={0: 0})
-    return call(kv_cache, k.astype(kv_cache.dtype), v.astype(kv_cache.dtype), slot_mapping)
+    return call(kv_cache, k, v.astype(k.dtype), slot_mapping, cos, sin, rope=np.int64(rope is not None))
+
+
+def rope_write_applies(k, kv_cache) -> bool:
+    """`write_kv(rope=...)` can rotate k here: bfloat16 k into a uint16 pool, a head dim of a multiple of 32,
+    kernels built with AVX-512 (JAXSERVE_NATIVE_ROPE=0: never, read when a step is traced)."""
+    return (os.environ.get("JAXSERVE_NATIVE_ROPE", "1") != "0" and k.dtype == jnp.bfloat16
+            and kv_cache.dtype == jnp.uint16 and k.shape[-1] % 32 == 0 and gemm_available())
 
 
 def add_rms_norm(x, delta, weight, eps: float):

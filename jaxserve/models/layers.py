@@ -332,13 +332,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     layer's RoPE loop directly, and XLA fused it into each of them, evaluating sincos per
     head of every layer (3% of a float32 prefill step's CPU time). Now XLA computes them once.
     """
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, head_dim // 2]
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    cos = jnp.concatenate([cos, cos], axis=-1).astype(x.dtype)[:, None, :]  # [T, 1, head_dim]
-    sin = jnp.concatenate([sin, sin], axis=-1).astype(x.dtype)[:, None, :]  # [T, 1, head_dim]
+    cos, sin = (t[:, None, :] for t in rope_tables(positions, inv_freq, x.dtype))   # [T, 1, head_dim]
     x1, x2 = jnp.split(x, 2, axis=-1)                                      # [T, heads, head_dim // 2] each
     rotated = jnp.concatenate([-x2, x1], axis=-1)                          # [T, heads, head_dim]
     return x * cos + rotated * sin
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [T, head_dim] in `dtype` at absolute positions [T]: `apply_rope`'s factors."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, head_dim // 2]
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    return (jnp.concatenate([cos, cos], axis=-1).astype(dtype), jnp.concatenate([sin, sin], axis=-1).astype(dtype))
 
 
 def paged_attention(
@@ -424,14 +428,19 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # [head_dim // 2]
         q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        k_rotated = apply_rope(k, positions, inv_freq)
         if kv_cache is None:                                # one whole sequence, no cache (training)
-            out = dense_causal_attention(q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+            out = dense_causal_attention(q, k_rotated, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
             return self.o_proj(out), None
         if self.attention_backend == "cpu" and native_kv_write_ok():
-            kv_cache = native_cpu.write_kv(kv_cache, k, v, md.slot_mapping)
+            if native_cpu.rope_write_applies(k, kv_cache):  # k rotated on its way into the pool, the same bits
+                kv_cache = native_cpu.write_kv(kv_cache, k, v, md.slot_mapping,
+                                               rope=rope_tables(positions, inv_freq, k.dtype))
+            else:
+                kv_cache = native_cpu.write_kv(kv_cache, k_rotated, v, md.slot_mapping)
         else:
-            kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping)
+            kv_cache = write_kv_cache(kv_cache, k_rotated, v, md.slot_mapping)
+        k = k_rotated   # the attention's in-step keys (XLA drops them where the native kernel takes every run)
         out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
                               sliding_window=self.sliding_window)
         return (self.o_proj.unrounded(out) if unrounded else self.o_proj(out)), kv_cache   # [T, hidden]

@@ -154,19 +154,56 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSiluMul, SiluMulImpl,
 
 namespace {
 
+#ifdef __AVX512F__
+// Rotate-half RoPE of one bfloat16 row x [D] at one position (cos, sin [D] bfloat16 bits), into out
+// as bfloat16 bits, with the roundings XLA's fusion of the bf16 model's `apply_rope` takes:
+// bf16(bf16(x cos) + bf16(rotated(x) sin)), the sum in float32 (rotated(x) = [-x2, x1]; each
+// product of two bf16 values is exact in float32). D a multiple of 32.
+inline void rope_row_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D, uint16_t* out) {
+  auto widen = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  auto bf16_of = [](__m512 f) {   // rounded, still in float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16(_mm512_castps_si512(f)), 16));
+  };
+  const int64_t half = D / 2;
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 xv = widen(x + d);
+    const __m512 r = d < half ? _mm512_xor_ps(widen(x + d + half), sign) : widen(x + d - half);   // exact
+    const __m512 a = bf16_of(_mm512_mul_ps(xv, widen(cos + d))), b = bf16_of(_mm512_mul_ps(r, widen(sin + d)));
+    const __m512i sum = round_to_bf16(_mm512_castps_si512(_mm512_add_ps(a, b)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), _mm512_cvtepi32_epi16(sum));
+  }
+}
+#endif
+
 ffi::Error WriteKvImpl(ffi::ThreadPool threads, ffi::AnyBuffer kv, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> out) {
+                       ffi::Buffer<ffi::S32> slot_mapping, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t rope) {
   const auto kd = kv.dimensions(), td = k.dimensions();
   if (kd.size() != 5 || kd[0] != 2) return ffi::Error::InvalidArgument("write_kv: kv must be [2, KVH, NB, BS, D]");
   const int64_t KVH = kd[1], NB = kd[2], BS = kd[3], D = kd[4];
   if (td.size() != 3 || td[1] != KVH || td[2] != D || v.dimensions().size() != 3 || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("write_kv: k and v must be [T, KVH, D] of the pool's heads and head dim");
-  if (k.element_type() != kv.element_type() || v.element_type() != kv.element_type() ||
+  const auto width = [](ffi::DataType t) { return t == ffi::DataType::BF16 ? ffi::DataType::U16 : t; };
+  if (width(k.element_type()) != kv.element_type() || width(v.element_type()) != kv.element_type() ||
       out->element_type() != kv.element_type())
-    return ffi::Error::InvalidArgument("write_kv: k, v and the pool must share one element type");
+    return ffi::Error::InvalidArgument("write_kv: k, v and the pool must share one element type (bfloat16 k and v "
+                                       "go into a uint16 pool as their bits)");
   const int64_t T = td[0], slots = NB * BS;
   if (static_cast<int64_t>(slot_mapping.element_count()) != T)
     return ffi::Error::InvalidArgument("write_kv: slot_mapping must have one slot per token");
+#ifdef __AVX512F__
+  if (rope && (k.element_type() != ffi::DataType::BF16 || D % 32 != 0 || cos.element_type() != ffi::DataType::BF16 ||
+               sin.element_type() != ffi::DataType::BF16 || static_cast<int64_t>(cos.element_count()) != T * D ||
+               static_cast<int64_t>(sin.element_count()) != T * D))
+    return ffi::Error::InvalidArgument("write_kv: rope takes bfloat16 k with a head dim of a multiple of 32 and "
+                                       "bfloat16 cos and sin [T, D]");
+#else
+  if (rope) return ffi::Error::InvalidArgument("write_kv: rope needs AVX-512");
+#endif
   const size_t elem = ffi::ByteWidth(kv.element_type());
   char* pool = static_cast<char*>(out->untyped_data());
   if (pool != kv.untyped_data())   // not aliased (XLA gave the output its own buffer): start from kv
@@ -182,7 +219,17 @@ ffi::Error WriteKvImpl(ffi::ThreadPool threads, ffi::AnyBuffer kv, ffi::AnyBuffe
     for (int64_t t = 0; t < T; ++t) {
       int64_t s = slot[t];
       if (s < 0) s += slots;
-      if (s >= 0 && s < slots) std::memcpy(dst + s * row, src[half] + (t * KVH + h) * row, row);
+      if (s < 0 || s >= slots) continue;
+      const char* from = src[half] + (t * KVH + h) * row;
+#ifdef __AVX512F__
+      if (rope && half == 0) {   // K rotated on its way in
+        rope_row_bf16(reinterpret_cast<const uint16_t*>(from), static_cast<const uint16_t*>(cos.untyped_data()) + t * D,
+                      static_cast<const uint16_t*>(sin.untyped_data()) + t * D, D,
+                      reinterpret_cast<uint16_t*>(dst + s * row));
+        continue;
+      }
+#endif
+      std::memcpy(dst + s * row, from, row);
     }
   });
   return ffi::Error::Success();
@@ -197,7 +244,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKvImpl,
                                   .Arg<ffi::AnyBuffer>()          // k [T, KVH, D]
                                   .Arg<ffi::AnyBuffer>()          // v [T, KVH, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping [T]
-                                  .Ret<ffi::AnyBuffer>());        // kv pool, updated (aliased)
+                                  .Arg<ffi::AnyBuffer>()          // cos [T, D] bfloat16 (rope) or anything
+                                  .Arg<ffi::AnyBuffer>()          // sin [T, D]
+                                  .Ret<ffi::AnyBuffer>()          // kv pool, updated (aliased)
+                                  .Attr<int64_t>("rope"));        // 1: K rotated (RoPE) on its way in
 
 namespace {
 

@@ -117,3 +117,80 @@ def test_attention_layer_writes_natively_on_the_cpu_backend(dtype, monkeypatch):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         else:
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+def _rotated_by_xla(k, cos, sin):
+    """What the model's jitted step writes for a bf16 k: `apply_rope`'s rotate-half, fused by XLA."""
+    x1, x2 = jnp.split(k, 2, axis=-1)
+    return k * cos[:, None, :] + jnp.concatenate([-x2, x1], axis=-1) * sin[:, None, :]
+
+
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 here")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_k_rotated_on_its_way_in_has_the_bits_of_xlas_rope(head_dim):
+    """`write_kv(rope=(cos, sin))` rotates bf16 k inside the write: the pool gets what XLA's fusion of the
+    rotate-half RoPE and the plain write store, bit for bit (specials included); V as it is."""
+    from jaxserve.models.layers import rope_inv_freq, rope_tables
+    from jaxserve.models.config import RopeScaling
+    rng = np.random.default_rng(head_dim)
+    tokens = 40
+    pool = jnp.asarray(np.asarray(jnp.asarray(rng.standard_normal((2, KVH, NB * 2, BS, head_dim)),
+                                              jnp.bfloat16)).view(np.uint16))
+    k = rng.standard_normal((tokens, KVH, head_dim)).astype(np.float32) * 3
+    k[0, 0, :4] = [np.nan, np.inf, -np.inf, 3e38]          # specials and a product past bf16's range
+    k[1, 1, :3] = [1e-39, -2e-40, 6e-39]                    # subnormal inputs
+    k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(rng.standard_normal((tokens, KVH, head_dim)), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 40000, size=tokens), jnp.int32)
+    cos, sin = rope_tables(positions, rope_inv_freq(head_dim, 10000.0, RopeScaling()), jnp.bfloat16)
+    slots = jnp.asarray(rng.permutation(NB * 2 * BS)[:tokens], jnp.int32)
+    want = jax.jit(lambda pool, k, v: native_cpu.write_kv(pool, _rotated_by_xla(k, cos, sin), v, slots))(pool, k, v)
+    got = jax.jit(lambda pool, k, v: native_cpu.write_kv(pool, k, v, slots, rope=(cos, sin)))(pool, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    rotated = np.asarray(got)[0, 0].reshape(-1, head_dim)[np.asarray(slots)[0]]
+    assert np.isnan(np.asarray(jnp.asarray(rotated.view(jnp.bfloat16), jnp.float32))).any()
+
+
+def test_write_rope_refuses_what_it_cannot_rotate():
+    pool, k, v, slots = case(jnp.float32, jnp.float32, 4)
+    cos = sin = jnp.zeros((4, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 k into a uint16 pool"):
+        native_cpu.write_kv(pool, k, v, slots, rope=(cos, sin))
+    if native_cpu.gemm_available():
+        rng = np.random.default_rng(0)
+        pool = jnp.zeros((2, KVH, NB, BS, 32), jnp.uint16)
+        k = v = jnp.asarray(rng.standard_normal((4, KVH, 32)), jnp.bfloat16)
+        with pytest.raises(ValueError, match=r"cos and sin \[T, D\] = \[4, 32\] bfloat16"):
+            native_cpu.write_kv(pool, k, v, slots, rope=(jnp.zeros((4, 16), jnp.bfloat16),) * 2)
+
+
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 here")
+def test_attention_layer_rotates_k_in_the_write_with_the_same_bits(monkeypatch):
+    """A bf16 layer with head dim 64 on the `cpu` backend: k goes into the native write unrotated and no
+    XLA op rotates it there; the cache and the output are those of JAXSERVE_NATIVE_ROPE=0 bit for bit."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.layers import Attention
+    from jaxserve.models.metadata import AttentionMetadata
+    from kernels_pallas.oracle import make_batch
+    config = dataclasses.replace(ModelConfig.from_hf_config(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=128,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=64)), attention_backend="cpu")
+    attn = Attention(config, sliding_window=None, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    _, cache, tables, ctx, qsl, num_seqs = make_batch([(9, 3), (5, 1)], num_kv_heads=2, head_dim=64, block_size=16,
+                                                      num_blocks=8, max_blocks=2)
+    cache = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 128)), jnp.bfloat16)
+    positions = jnp.asarray([6, 7, 8, 4], jnp.int32)
+    slots = jnp.asarray([tables[0][0] * 16 + p for p in (6, 7, 8)] + [tables[1][0] * 16 + 4], jnp.int32)
+    md = AttentionMetadata(slot_mapping=slots, block_tables=jnp.asarray(tables), context_lens=jnp.asarray(ctx),
+                           query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray(num_seqs))
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("JAXSERVE_NATIVE_ROPE", switch)
+        run = jax.jit(lambda x, cache: attn(x, positions, cache, md))
+        writes = [line for line in run.lower(x, cache).as_text().splitlines() if "@jaxserve_write_kv" in line]
+        assert len(writes) == 1 and ("rope = 1 : i64" in writes[0]) == (switch == "1")
+        results[switch] = [np.asarray(a) for a in run(x, cache)]
+    for got, want in zip(results["1"], results["0"]):   # the output, then the cache
+        np.testing.assert_array_equal(got, want)
+    assert (results["1"][1] != np.asarray(cache)).any()
