@@ -79,20 +79,26 @@ def ragged_paged_attention(
     interpret: bool = False,
     k=None,           # [T, num_kv_heads, head_dim] this step's keys: needed by "cpu", ignored by the others
     v=None,           # [T, num_kv_heads, head_dim] this step's values
+    q_rope=None,      # (q before RoPE, cos, sin): "cpu" may rotate q itself (unsharded); the others ignore it
 ) -> jax.Array:
     """The backend's ragged paged attention -> [T, num_q_heads, head_dim] (same contract for all).
 
     `interpret` runs a Pallas backend in its interpreter (CPU tests); the others ignore it.
+    `q_rope` (q's values before the rotate-half RoPE [T, num_q_heads, head_dim], cos and sin
+    [T, head_dim]; `q` is what they give): the `cpu` backend's native kernel may take these instead
+    of q (a bf16 q rotated on its way in, the same bits: `ragged_paged_attention_cpu`).
     """
     if backend == "cpu" and (k is None or v is None):
         raise ValueError("backend='cpu' reads this step's keys in place: pass k= and v= ([T, num_kv_heads, head_dim])")
     if k is None:
         k = v = jnp.zeros((q.shape[0], kv_cache.shape[1], 0), q.dtype)   # unused by this backend
     args = (q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
-    kernel = functools.partial(_one_shard, backend=backend, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get(KV_HEAD_AXIS, 1) > 1:
+    sharded = not mesh.empty and mesh.shape.get(KV_HEAD_AXIS, 1) > 1
+    kernel = functools.partial(_one_shard, backend=backend, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, interpret=interpret,
+                               q_rope=q_rope if backend == "cpu" and not sharded else None)
+    if sharded:
         # Tensor parallel: each device attends with its own query heads over its own KV heads
         # (heads are split into contiguous groups, so a device's query heads read only its KV heads).
         heads = P(None, KV_HEAD_AXIS, None)
@@ -103,13 +109,13 @@ def ragged_paged_attention(
 
 
 def _one_shard(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *, backend, sm_scale,
-               sliding_window, soft_cap, interpret):
+               sliding_window, soft_cap, interpret, q_rope=None):
     args = (q, kv_cache, block_tables, context_lens, query_start_loc, num_seqs)
     masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **masks)
     if backend == "cpu":
-        return ragged_paged_attention_cpu(q, k, v, *args[1:], **masks)
+        return ragged_paged_attention_cpu(q, k, v, *args[1:], **masks, q_rope=q_rope)
     if backend == "pallas_gpu":
         from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
         return ragged_paged_attention_gpu(*args, **masks, interpret=interpret)

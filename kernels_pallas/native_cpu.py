@@ -215,7 +215,7 @@ def prefill_enabled() -> bool:
 def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
                          bits_dtype, max_q_len: int, sliding_window: int | None, soft_cap: float | None,
                          q_bf16: bool = False, min_lane_fill: int | None = None, amx: bool | None = None,
-                         score_scale: float = 1.0, out_dtype=jnp.float32):
+                         score_scale: float = 1.0, out_dtype=jnp.float32, rope=None, q_scale: float = 1.0):
     """Sequences with 1..`max_q_len` queries over their whole paged context (causal; this step's keys
     included): short runs in groups walked page by page, longer ones in blocks of 16 queries.
 
@@ -234,10 +234,23 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     come unscaled when its softmax scale is no power of two (a scaled one would not be bf16).
     Returns (out [T, QH, D] in `out_dtype`, lse [T, QH] float32); rows of other sequences are (0, -inf).
     `out_dtype` bfloat16: out rounded as `.astype(jnp.bfloat16)` rounds it, written so by the kernel
-    (the same bits, without another pass over it). Call `available()` first.
+    (the same bits, without another pass over it). `rope` (cos, sin) [T, D] bfloat16 (where
+    `rope_applies`): `qs` is a bf16 q before its rotate-half RoPE, which the kernel applies with the
+    roundings XLA's fusion of a bf16 model's RoPE takes (each product rounded to bf16, their sum
+    kept in float32), times `q_scale`: the queries XLA would have passed, bit for bit. Call
+    `available()` first.
     """
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"paged_context_native returns float32 or bfloat16, got {out_dtype}")
+    if rope is not None:
+        cos, sin = rope
+        if (qs.dtype != jnp.bfloat16 or qs.shape[2] % 32 or cos.dtype != jnp.bfloat16 or sin.dtype != jnp.bfloat16
+                or cos.shape != (qs.shape[0], qs.shape[2]) or sin.shape != cos.shape):
+            raise ValueError(f"paged_context_native's rope takes a bfloat16 q [T, QH, D] (D a multiple of 32) and "
+                             f"bfloat16 cos and sin [T, D], got q {qs.dtype}{list(qs.shape)}, cos "
+                             f"{cos.dtype}{list(cos.shape)} and sin {sin.dtype}{list(sin.shape)}")
+    else:
+        qs, cos, sin = qs.astype(jnp.float32), jnp.zeros((0,), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
     num_tokens, num_q_heads, head_dim = qs.shape
     bits = 0 if kv_cache.dtype == jnp.float32 else _BITS.get(np.dtype(bits_dtype))
     if bits is None or (bits == 0) != (kv_cache.dtype == jnp.float32):
@@ -246,8 +259,9 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     call = jax.ffi.ffi_call(
         TARGET, (jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)))
-    return call(qs.astype(jnp.float32), kv_cache, block_tables, context_lens, query_start_loc,
-                jnp.asarray(num_seqs, jnp.int32), bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
+    return call(qs, kv_cache, block_tables, context_lens, query_start_loc, jnp.asarray(num_seqs, jnp.int32), cos, sin,
+                rope=np.int64(rope is not None), q_scale=np.float32(q_scale),
+                bits_dtype=np.int64(bits), max_q_len=np.int64(max_q_len),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
                 q_bf16=np.int64(bool(q_bf16)), min_lane_fill=np.int64(lane_fill_setting(min_lane_fill)),
                 amx=np.int64(attention_amx() if amx is None else bool(amx)), score_scale=np.float32(score_scale))
@@ -487,13 +501,13 @@ def write_kv(kv_cache, k, v, slot_mapping, *, rope=None):
     XLA lays the scatter's updates out token-major, so the fusion feeding it ends in a transposing
     copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/step_ops.cc`). bfloat16 k
     and v go in as they are (a uint16 pool holds their bits). `rope` (cos, sin) [T, D] bfloat16 (where
-    `rope_write_applies`): k comes unrotated and is rotated on its way in, with the roundings XLA's
+    `rope_applies`): k comes unrotated and is rotated on its way in, with the roundings XLA's
     fusion of a bf16 model's rotate-half RoPE takes (each product rounded to bf16, their sum in
     float32 rounded to bf16), so the pool gets the same bits without XLA's pass over k. Not
     differentiable (the training path has no cache). Call `available()` first.
     """
     check_kv_write(kv_cache, k, v, slot_mapping)
-    if rope is not None and not rope_write_applies(k, kv_cache):
+    if rope is not None and not rope_applies(k, kv_cache):
         raise ValueError(f"write_kv(rope=...) takes bfloat16 k into a uint16 pool with a head dim of a multiple of 32, "
                          f"got k {k.dtype}{list(k.shape)} and a {kv_cache.dtype} pool")
     if kv_cache.dtype == jnp.uint16 and k.dtype != jnp.bfloat16:   # the bits of k's 16-bit float type
@@ -510,11 +524,12 @@ def write_kv(kv_cache, k, v, slot_mapping, *, rope=None):
     return call(kv_cache, k, v.astype(k.dtype), slot_mapping, cos, sin, rope=np.int64(rope is not None))
 
 
-def rope_write_applies(k, kv_cache) -> bool:
-    """`write_kv(rope=...)` can rotate k here: bfloat16 k into a uint16 pool, a head dim of a multiple of 32,
-    kernels built with AVX-512 (JAXSERVE_NATIVE_ROPE=0: never, read when a step is traced)."""
-    return (os.environ.get("JAXSERVE_NATIVE_ROPE", "1") != "0" and k.dtype == jnp.bfloat16
-            and kv_cache.dtype == jnp.uint16 and k.shape[-1] % 32 == 0 and gemm_available())
+def rope_applies(x, kv_cache) -> bool:
+    """The native kernels can rotate x (k in `write_kv(rope=...)`, q in `paged_context_native(rope=...)`)
+    here: bfloat16 against a uint16 pool, a head dim of a multiple of 32, kernels built with AVX-512
+    (JAXSERVE_NATIVE_ROPE=0: never, read when a step is traced)."""
+    return (os.environ.get("JAXSERVE_NATIVE_ROPE", "1") != "0" and x.dtype == jnp.bfloat16
+            and kv_cache.dtype == jnp.uint16 and x.shape[-1] % 32 == 0 and gemm_available())
 
 
 def add_rms_norm(x, delta, weight, eps: float):

@@ -54,8 +54,13 @@ def ragged_paged_attention_cpu(
     decode_query_len: int | None = None,
     decode_seq_tile: int = 8,
     native: bool | None = None,
+    q_rope=None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_attention_reference`, plus this step's `k`, `v`.
+
+    `q_rope` (q before the rotate-half RoPE, cos, sin; `q` is what they give, as XLA computes it):
+    where the native kernel takes every run and `native_cpu.rope_applies` (a bf16 q), the kernel
+    rotates q itself with XLA's roundings (the same bits; XLA then drops its own pass over q).
 
     Static knobs: `q_block` rows (and keys) per in-step tile; `query_tile` 64 (the
     reference's 32 split a 33-64-token prefix-hit suffix in two: 27 -> 22 ms per layer for 8
@@ -78,8 +83,11 @@ def ragged_paged_attention_cpu(
     scale_scores = (amx and q.dtype == jnp.bfloat16 and kv_cache.dtype == jnp.uint16 and not power_of_two
                     and decode_query_len >= q.shape[0]
                     and native_cpu.amx_attention_applies(q.shape[2], kv_cache.shape[3], soft_cap))
+    if not (q_rope is not None and native and decode_query_len >= q.shape[0]
+            and native_cpu.rope_applies(q_rope[0], kv_cache)):
+        q_rope = None
     return _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs,
-                                       sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                       q_rope, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                        q_block=q_block, query_tile=query_tile,
                                        kv_pages_per_chunk=kv_pages_per_chunk,
                                        decode_query_len=decode_query_len, decode_seq_tile=decode_seq_tile,
@@ -92,7 +100,7 @@ def ragged_paged_attention_cpu(
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "q_block", "query_tile", "kv_pages_per_chunk", "decode_query_len",
     "decode_seq_tile", "native", "q_bf16", "min_lane_fill", "amx", "scale_scores"))
-def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, *,
+def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, q_rope, *,
                                 sm_scale, sliding_window, soft_cap, q_block, query_tile, kv_pages_per_chunk,
                                 decode_query_len, decode_seq_tile, native, q_bf16, min_lane_fill, amx,
                                 scale_scores):
@@ -121,12 +129,17 @@ def _ragged_paged_attention_cpu(q, k, v, kv_cache, block_tables, context_lens, q
     in_step = q_lens > 0
     parts = []
     if native and decode_query_len >= num_tokens:   # static: the native kernel takes every run
-        rows = (q.astype(_F32) if scale_scores else qs[:num_tokens]).reshape(num_tokens, num_q_heads, head_dim)
+        if q_rope is not None:   # q rotated and scaled in the kernel, as XLA's fusion computes qs
+            rows, rope, q_scale = q_rope[0], q_rope[1:], 1.0 if scale_scores else sm_scale
+        else:
+            rows = (q.astype(_F32) if scale_scores else qs[:num_tokens]).reshape(num_tokens, num_q_heads, head_dim)
+            rope, q_scale = None, 1.0
         out, _ = native_cpu.paged_context_native(
             rows, kv_cache, block_tables, context_lens, query_start_loc, num_seqs, bits_dtype=q.dtype,
             max_q_len=num_tokens, sliding_window=sliding_window, soft_cap=soft_cap, q_bf16=q_bf16,
             min_lane_fill=min_lane_fill, amx=amx, score_scale=sm_scale if scale_scores else 1.0,
-            out_dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32)   # bf16: rounded in the kernel
+            out_dtype=jnp.bfloat16 if q.dtype == jnp.bfloat16 else _F32,   # bf16: rounded in the kernel
+            rope=rope, q_scale=q_scale)
         return out.astype(q.dtype)
     if native and decode_query_len > 0:
         # Short runs (decodes) read their whole context natively (the pool holds this step's

@@ -355,15 +355,17 @@ def paged_attention(
     backend: str,
     sm_scale: float,
     sliding_window: int | None,
+    q_rope: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Ragged paged attention over the cache: [T, num_heads, head_dim].
 
     The one place the models call an attention kernel: `backend` ("reference", "cpu",
     "pallas_gpu", "pallas_tpu"; static, from `ModelConfig.attention_backend`) picks it.
+    `q_rope` (q before RoPE, cos, sin): what `q` was made from, for a backend that rotates q itself.
     """
     return ragged_paged_attention(
         q, kv_cache, md.block_tables, md.context_lens, md.query_start_loc, md.num_seqs,
-        backend=backend, sm_scale=sm_scale, sliding_window=sliding_window, k=k, v=v,
+        backend=backend, sm_scale=sm_scale, sliding_window=sliding_window, k=k, v=v, q_rope=q_rope,
     )
 
 
@@ -427,13 +429,13 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # [head_dim // 2]
-        q = apply_rope(q, positions, inv_freq)
+        q_unrotated, q = q, apply_rope(q, positions, inv_freq)
         k_rotated = apply_rope(k, positions, inv_freq)
         if kv_cache is None:                                # one whole sequence, no cache (training)
             out = dense_causal_attention(q, k_rotated, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window)
             return self.o_proj(out), None
         if self.attention_backend == "cpu" and native_kv_write_ok():
-            if native_cpu.rope_write_applies(k, kv_cache):  # k rotated on its way into the pool, the same bits
+            if native_cpu.rope_applies(k, kv_cache):  # k rotated on its way into the pool, the same bits
                 kv_cache = native_cpu.write_kv(kv_cache, k, v, md.slot_mapping,
                                                rope=rope_tables(positions, inv_freq, k.dtype))
             else:
@@ -441,8 +443,11 @@ class Attention(nnx.Module):
         else:
             kv_cache = write_kv_cache(kv_cache, k_rotated, v, md.slot_mapping)
         k = k_rotated   # the attention's in-step keys (XLA drops them where the native kernel takes every run)
+        # The `cpu` backend's native kernel may rotate q itself (the same bits; XLA then drops q's rotation).
+        q_rope = ((q_unrotated, *rope_tables(positions, inv_freq, q.dtype))
+                  if self.attention_backend == "cpu" and native_here() else None)
         out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
-                              sliding_window=self.sliding_window)
+                              sliding_window=self.sliding_window, q_rope=q_rope)
         return (self.o_proj.unrounded(out) if unrounded else self.o_proj(out)), kv_cache   # [T, hidden]
 
 

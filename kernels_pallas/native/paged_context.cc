@@ -1124,20 +1124,39 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
   }
 }
 
-ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> block_tables,
+ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                            ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::ResultBuffer<ffi::F32> lse, int64_t bits_dtype, int64_t max_q_len,
+                            ffi::Buffer<ffi::S32> num_seqs_buf, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::F32> lse, int64_t rope,
+                            float q_scale, int64_t bits_dtype, int64_t max_q_len,
                             int64_t sliding_window, float soft_cap, int64_t q_bf16, int64_t min_lane_fill,
                             int64_t amx, float score_scale) {
   const auto qd = q.dimensions();
   const auto kd = kv.dimensions();
   if (qd.size() != 3 || kd.size() != 5) return ffi::Error::InvalidArgument("q must be rank 3 and kv rank 5");
+  if (q.element_type() != (rope ? ffi::DataType::BF16 : ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("q must be float32 (or bfloat16 before its RoPE, with rope)");
+  if (rope) {
+#ifdef __AVX512F__
+    const int64_t rows_d = qd[0] * qd[2];
+    if (qd[2] % 32 != 0 || cos.element_type() != ffi::DataType::BF16 || sin.element_type() != ffi::DataType::BF16 ||
+        static_cast<int64_t>(cos.element_count()) != rows_d || static_cast<int64_t>(sin.element_count()) != rows_d)
+      return ffi::Error::InvalidArgument("rope takes a head dim of a multiple of 32 and bfloat16 cos and sin [T, D]");
+#else
+    return ffi::Error::InvalidArgument("rope needs AVX-512");
+#endif
+  }
+  // With rope: each work item rotates and scales its own rows of q (its runs, its KV head's query
+  // heads) into this buffer before it reads them.
+  thread_local std::vector<float> rotated_buffer;   // the calling thread's (the helpers get this pointer)
+  if (rope) rotated_buffer.resize(static_cast<size_t>(q.element_count()));
+  float* rotated = rope ? rotated_buffer.data() : nullptr;
+  const float* q_rows = rope ? rotated : static_cast<const float*>(q.untyped_data());
   const bool out_bf16 = out->element_type() == ffi::DataType::BF16;
   if (!out_bf16 && out->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("out must be float32 or bfloat16");
   if (out->element_count() != q.element_count()) return ffi::Error::InvalidArgument("out must be [T, QH, D]");
-  Problem pr{q.typed_data(), kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
+  Problem pr{q_rows, kv.untyped_data(), block_tables.typed_data(), context_lens.typed_data(),
              query_start_loc.typed_data(), out->untyped_data(), lse->typed_data(),
              qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], block_tables.dimensions()[1], 0, bits_dtype,
              sliding_window, soft_cap, q_bf16 != 0, min_lane_fill, false, score_scale, out_bf16};
@@ -1194,6 +1213,24 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     thread_local std::unique_ptr<Scratch> scratch;
     if (!scratch || !scratch->fits(pr, max_rows)) scratch = std::make_unique<Scratch>(pr, max_rows);
     const auto [first, count] = items[work / pr.KVH];
+#ifdef __AVX512F__
+    if (rope) {   // this item's rows of q: its segments' queries, the query heads of KV head h
+      const int64_t h = work % pr.KVH, D = pr.D;
+      const auto* x = static_cast<const uint16_t*>(q.untyped_data());
+      const auto* c = static_cast<const uint16_t*>(cos.untyped_data());
+      const auto* s = static_cast<const uint16_t*>(sin.untyped_data());
+      const __m512 scale = _mm512_set1_ps(q_scale);
+      for (int64_t i = first; i < first + count; ++i)
+        for (int64_t t = pr.qsl[segs[i].s] + segs[i].j0, end = t + segs[i].nq; t < end; ++t)
+          for (int64_t g = h * pr.G; g < (h + 1) * pr.G; ++g) {
+            float* row = rotated + (t * pr.QH + g) * D;
+            jaxserve_native::rope_row_bf16(x + (t * pr.QH + g) * D, c + t * D, s + t * D, D,
+                                           [row, scale](int64_t d, __m512 sum) {
+              _mm512_storeu_ps(row + d, _mm512_mul_ps(sum, scale));   // XLA's (a + b) * sm_scale
+            });
+          }
+    }
+#endif
     fn(pr, *scratch, segs.data() + first, count, work % pr.KVH, max_rows);
   });
   return ffi::Error::Success();
@@ -1207,14 +1244,18 @@ extern "C" int64_t JaxserveAmxAttentionFolds() { return amx_folds.load(std::memo
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedContext, PagedContextImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // q: float32, or bfloat16 before RoPE (rope)
                                   .Arg<ffi::AnyBuffer>()          // kv
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Arg<ffi::AnyBuffer>()          // cos [T, D] bfloat16 (rope) or anything
+                                  .Arg<ffi::AnyBuffer>()          // sin [T, D]
                                   .Ret<ffi::AnyBuffer>()          // out, float32 or bfloat16
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Attr<int64_t>("rope")          // 1: q comes before its RoPE: rotated here
+                                  .Attr<float>("q_scale")         // rope: the rotated q times this
                                   .Attr<int64_t>("bits_dtype")
                                   .Attr<int64_t>("max_q_len")
                                   .Attr<int64_t>("sliding_window")

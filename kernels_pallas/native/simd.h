@@ -30,6 +30,26 @@ inline __m512i round_to_bf16x16(__m512i bits) {
   return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
 }
 
+// Rotate-half RoPE of one bfloat16 row x [D] (raw bits; D a multiple of 32) at one position (cos, sin
+// [D] bfloat16 bits): for each 16 columns from d, emit(d, s) with s = bf16(x cos) + bf16(rotated(x) sin)
+// in float32, rotated(x) = [-x2, x1] (each product of two bf16 values is exact in float32, then
+// rounded to bf16): the roundings XLA's fusion of a bf16 model's `apply_rope` takes.
+template <typename Emit>
+inline void rope_row_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D, Emit emit) {
+  auto bf16_of = [](__m512 f) {   // rounded, still in float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16x16(_mm512_castps_si512(f)), 16));
+  };
+  const int64_t half = D / 2;
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 xv = load_bf16x16(x + d);
+    const __m512 r = d < half ? _mm512_xor_ps(load_bf16x16(x + d + half), sign) : load_bf16x16(x + d - half);
+    const __m512 a = bf16_of(_mm512_mul_ps(xv, load_bf16x16(cos + d)));
+    const __m512 b = bf16_of(_mm512_mul_ps(r, load_bf16x16(sin + d)));
+    emit(d, _mm512_add_ps(a, b));
+  }
+}
+
 // out[t] = sum of the 16 lanes of v[t], for t < 16: a transpose-and-add tree (45 shuffles and
 // adds instead of 16 horizontal reductions).
 inline __m512 sum_lanes16(const __m512 v[16]) {

@@ -154,31 +154,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveSiluMul, SiluMulImpl,
 
 namespace {
 
-#ifdef __AVX512F__
-// Rotate-half RoPE of one bfloat16 row x [D] at one position (cos, sin [D] bfloat16 bits), into out
-// as bfloat16 bits, with the roundings XLA's fusion of the bf16 model's `apply_rope` takes:
-// bf16(bf16(x cos) + bf16(rotated(x) sin)), the sum in float32 (rotated(x) = [-x2, x1]; each
-// product of two bf16 values is exact in float32). D a multiple of 32.
-inline void rope_row_bf16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D, uint16_t* out) {
-  auto widen = [](const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  };
-  auto bf16_of = [](__m512 f) {   // rounded, still in float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(round_to_bf16(_mm512_castps_si512(f)), 16));
-  };
-  const int64_t half = D / 2;
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 xv = widen(x + d);
-    const __m512 r = d < half ? _mm512_xor_ps(widen(x + d + half), sign) : widen(x + d - half);   // exact
-    const __m512 a = bf16_of(_mm512_mul_ps(xv, widen(cos + d))), b = bf16_of(_mm512_mul_ps(r, widen(sin + d)));
-    const __m512i sum = round_to_bf16(_mm512_castps_si512(_mm512_add_ps(a, b)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), _mm512_cvtepi32_epi16(sum));
-  }
-}
-#endif
-
 ffi::Error WriteKvImpl(ffi::ThreadPool threads, ffi::AnyBuffer kv, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::S32> slot_mapping, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                        ffi::Result<ffi::AnyBuffer> out, int64_t rope) {
@@ -223,9 +198,14 @@ ffi::Error WriteKvImpl(ffi::ThreadPool threads, ffi::AnyBuffer kv, ffi::AnyBuffe
       const char* from = src[half] + (t * KVH + h) * row;
 #ifdef __AVX512F__
       if (rope && half == 0) {   // K rotated on its way in
-        rope_row_bf16(reinterpret_cast<const uint16_t*>(from), static_cast<const uint16_t*>(cos.untyped_data()) + t * D,
-                      static_cast<const uint16_t*>(sin.untyped_data()) + t * D, D,
-                      reinterpret_cast<uint16_t*>(dst + s * row));
+        uint16_t* to = reinterpret_cast<uint16_t*>(dst + s * row);
+        jaxserve_native::rope_row_bf16(reinterpret_cast<const uint16_t*>(from),
+                                       static_cast<const uint16_t*>(cos.untyped_data()) + t * D,
+                                       static_cast<const uint16_t*>(sin.untyped_data()) + t * D, D,
+                                       [to](int64_t d, __m512 sum) {   // rounded to bf16 (XLA's convert)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + d), _mm512_cvtepi32_epi16(round_to_bf16(
+              _mm512_castps_si512(sum))));
+        });
         continue;
       }
 #endif

@@ -164,20 +164,22 @@ def test_write_rope_refuses_what_it_cannot_rotate():
 
 
 @pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 here")
-def test_attention_layer_rotates_k_in_the_write_with_the_same_bits(monkeypatch):
-    """A bf16 layer with head dim 64 on the `cpu` backend: k goes into the native write unrotated and no
-    XLA op rotates it there; the cache and the output are those of JAXSERVE_NATIVE_ROPE=0 bit for bit."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_layer_rotates_q_and_k_natively_with_the_same_bits(head_dim, monkeypatch):
+    """A bf16 layer on the `cpu` backend: k goes into the native write and q into the attention kernel
+    unrotated, each rotated there; the cache and the output are those of JAXSERVE_NATIVE_ROPE=0 (XLA's
+    RoPE) bit for bit. Head dim 128: q unscaled (the tiles scale the scores)."""
     from jaxserve.models.config import ModelConfig
     from jaxserve.models.layers import Attention
     from jaxserve.models.metadata import AttentionMetadata
     from kernels_pallas.oracle import make_batch
     config = dataclasses.replace(ModelConfig.from_hf_config(dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=128,
-        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         max_position_embeddings=64)), attention_backend="cpu")
     attn = Attention(config, sliding_window=None, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    _, cache, tables, ctx, qsl, num_seqs = make_batch([(9, 3), (5, 1)], num_kv_heads=2, head_dim=64, block_size=16,
-                                                      num_blocks=8, max_blocks=2)
+    _, cache, tables, ctx, qsl, num_seqs = make_batch([(9, 3), (5, 1)], num_kv_heads=2, head_dim=head_dim,
+                                                      block_size=16, num_blocks=8, max_blocks=2)
     cache = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 128)), jnp.bfloat16)
     positions = jnp.asarray([6, 7, 8, 4], jnp.int32)
@@ -188,8 +190,10 @@ def test_attention_layer_rotates_k_in_the_write_with_the_same_bits(monkeypatch):
     for switch in ("1", "0"):
         monkeypatch.setenv("JAXSERVE_NATIVE_ROPE", switch)
         run = jax.jit(lambda x, cache: attn(x, positions, cache, md))
-        writes = [line for line in run.lower(x, cache).as_text().splitlines() if "@jaxserve_write_kv" in line]
-        assert len(writes) == 1 and ("rope = 1 : i64" in writes[0]) == (switch == "1")
+        hlo = run.lower(x, cache).as_text().splitlines()
+        for target in ("@jaxserve_write_kv", "@jaxserve_paged_context"):
+            calls = [line for line in hlo if target in line]
+            assert len(calls) == 1 and ("rope = 1 : i64" in calls[0]) == (switch == "1"), target
         results[switch] = [np.asarray(a) for a in run(x, cache)]
     for got, want in zip(results["1"], results["0"]):   # the output, then the cache
         np.testing.assert_array_equal(got, want)
