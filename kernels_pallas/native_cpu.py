@@ -235,7 +235,7 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     Returns (out [T, QH, D] in `out_dtype`, lse [T, QH] float32); rows of other sequences are (0, -inf).
     `out_dtype` bfloat16: out rounded as `.astype(jnp.bfloat16)` rounds it, written so by the kernel
     (the same bits, without another pass over it). `rope` (cos, sin) [T, D] bfloat16 (where
-    `rope_applies`): `qs` is a bf16 q before its rotate-half RoPE, which the kernel applies with the
+    `rope_supported`): `qs` is a bf16 q before its rotate-half RoPE, which the kernel applies with the
     roundings XLA's fusion of a bf16 model's RoPE takes (each product rounded to bf16, their sum
     kept in float32), times `q_scale`: the queries XLA would have passed, bit for bit. Call
     `available()` first.
@@ -501,13 +501,13 @@ def write_kv(kv_cache, k, v, slot_mapping, *, rope=None):
     XLA lays the scatter's updates out token-major, so the fusion feeding it ends in a transposing
     copy (~50 us a layer at 64 decode tokens, ~330 us at 512 here; `native/step_ops.cc`). bfloat16 k
     and v go in as they are (a uint16 pool holds their bits). `rope` (cos, sin) [T, D] bfloat16 (where
-    `rope_applies`): k comes unrotated and is rotated on its way in, with the roundings XLA's
+    `rope_supported`): k comes unrotated and is rotated on its way in, with the roundings XLA's
     fusion of a bf16 model's rotate-half RoPE takes (each product rounded to bf16, their sum in
     float32 rounded to bf16), so the pool gets the same bits without XLA's pass over k. Not
     differentiable (the training path has no cache). Call `available()` first.
     """
     check_kv_write(kv_cache, k, v, slot_mapping)
-    if rope is not None and not rope_applies(k, kv_cache):
+    if rope is not None and not rope_supported(k, kv_cache):
         raise ValueError(f"write_kv(rope=...) takes bfloat16 k into a uint16 pool with a head dim of a multiple of 32, "
                          f"got k {k.dtype}{list(k.shape)} and a {kv_cache.dtype} pool")
     if kv_cache.dtype == jnp.uint16 and k.dtype != jnp.bfloat16:   # the bits of k's 16-bit float type
@@ -524,12 +524,16 @@ def write_kv(kv_cache, k, v, slot_mapping, *, rope=None):
     return call(kv_cache, k, v.astype(k.dtype), slot_mapping, cos, sin, rope=np.int64(rope is not None))
 
 
+def rope_supported(x, kv_cache) -> bool:
+    """The native kernels can rotate x (k in `write_kv(rope=...)`, q in `paged_context_native(rope=...)`):
+    bfloat16 against a uint16 pool, a head dim of a multiple of 32, kernels built with AVX-512 BF16."""
+    return x.dtype == jnp.bfloat16 and kv_cache.dtype == jnp.uint16 and x.shape[-1] % 32 == 0 and gemm_available()
+
+
 def rope_applies(x, kv_cache) -> bool:
-    """The native kernels can rotate x (k in `write_kv(rope=...)`, q in `paged_context_native(rope=...)`)
-    here: bfloat16 against a uint16 pool, a head dim of a multiple of 32, kernels built with AVX-512
-    (JAXSERVE_NATIVE_ROPE=0: never, read when a step is traced)."""
-    return (os.environ.get("JAXSERVE_NATIVE_ROPE", "1") != "0" and x.dtype == jnp.bfloat16
-            and kv_cache.dtype == jnp.uint16 and x.shape[-1] % 32 == 0 and gemm_available())
+    """The engine's step rotates x natively: `rope_supported`, and JAXSERVE_NATIVE_ROPE is not 0 (read when a
+    step is traced; 0 keeps XLA's RoPE, for A/B benchmarks)."""
+    return os.environ.get("JAXSERVE_NATIVE_ROPE", "1") != "0" and rope_supported(x, kv_cache)
 
 
 def add_rms_norm(x, delta, weight, eps: float):

@@ -429,6 +429,7 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # [head_dim // 2]
+        cos_sin = rope_tables(positions, inv_freq, q.dtype)                         # [T, head_dim] each
         q_unrotated, q = q, apply_rope(q, positions, inv_freq)
         k_rotated = apply_rope(k, positions, inv_freq)
         if kv_cache is None:                                # one whole sequence, no cache (training)
@@ -436,16 +437,14 @@ class Attention(nnx.Module):
             return self.o_proj(out), None
         if self.attention_backend == "cpu" and native_kv_write_ok():
             if native_cpu.rope_applies(k, kv_cache):  # k rotated on its way into the pool, the same bits
-                kv_cache = native_cpu.write_kv(kv_cache, k, v, md.slot_mapping,
-                                               rope=rope_tables(positions, inv_freq, k.dtype))
+                kv_cache = native_cpu.write_kv(kv_cache, k, v, md.slot_mapping, rope=cos_sin)
             else:
                 kv_cache = native_cpu.write_kv(kv_cache, k_rotated, v, md.slot_mapping)
         else:
             kv_cache = write_kv_cache(kv_cache, k_rotated, v, md.slot_mapping)
         k = k_rotated   # the attention's in-step keys (XLA drops them where the native kernel takes every run)
         # The `cpu` backend's native kernel may rotate q itself (the same bits; XLA then drops q's rotation).
-        q_rope = ((q_unrotated, *rope_tables(positions, inv_freq, q.dtype))
-                  if self.attention_backend == "cpu" and native_here() else None)
+        q_rope = (q_unrotated, *cos_sin) if self.attention_backend == "cpu" and native_here() else None
         out = paged_attention(q, k, v, kv_cache, md, backend=self.attention_backend, sm_scale=self.sm_scale,
                               sliding_window=self.sliding_window, q_rope=q_rope)
         return (self.o_proj.unrounded(out) if unrounded else self.o_proj(out)), kv_cache   # [T, hidden]

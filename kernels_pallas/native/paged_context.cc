@@ -15,9 +15,11 @@
 // row instead: scores and P x V from `tdpbf16ps`, the softmax weights rounded to bf16 first.
 //
 // Inputs: q [T, QH, D] float32, already scaled by sm_scale (on the tiles, `score_scale` may carry
-// a scale that is no power of two instead, q unscaled; with `q_bf16` set the caller vouches
-// that every value is a bfloat16 exactly, e.g. a bf16 model's q times a power-of-two scale, so
-// against a bf16 pool the scores come from `vdpbf16ps` on the raw K pages); kv [2, KVH, NB, BS, D] float32,
+// a scale that is no power of two instead, q unscaled; or, with `rope`, a bf16 q before its RoPE,
+// which each work item rotates and scales itself: cos, sin [T, D] bf16, `q_scale`); with `q_bf16`
+// set q is a bf16 model's (times a power-of-two scale) and against a bf16 pool the scores come
+// from bf16 products on the raw K pages, q rounded to bf16 (to nearest even) on every path: XLA
+// leaves a bf16 model's RoPE sum unrounded, so q may hold more bits; kv [2, KVH, NB, BS, D] float32,
 // or uint16 holding bfloat16 (bits_dtype 1) or float16 (bits_dtype 2) bits; block_tables
 // [S, MB] int32; context_lens [S] int32 (tokens cached after this step); query_start_loc
 // [S + 1] int32; num_seqs [] int32. For sequence s with q_len = query_start_loc[s+1] -
@@ -440,7 +442,7 @@ void fold_page16(const Problem& pr, Scratch& w, const Run& run, int64_t h, int64
         constexpr int NB = NV / 2 > 0 ? NV / 2 : 1;   // 32 bf16 per vector
         __m512bh qb[NB];
         #pragma GCC unroll 8
-        for (int b = 0; b < NB; ++b) qb[b] = _mm512_cvtne2ps_pbh(qv[2 * b + 1], qv[2 * b]);   // exact: bf16 values
+        for (int b = 0; b < NB; ++b) qb[b] = _mm512_cvtne2ps_pbh(qv[2 * b + 1], qv[2 * b]);   // to nearest even
 #pragma GCC unroll 16
         for (int64_t t = 0; t < 16; ++t) {
           __m512 d = _mm512_setzero_ps();
@@ -592,15 +594,21 @@ __attribute__((noinline)) void fold_lanes16(const Problem& pr, LaneBlock& b, con
 }
 #endif
 
-// A query row's float32 values (bf16 values exactly) as bf16 pairs (q[2c], q[2c + 1]), one 32-bit
-// word each, into lane `lane` of `words` ([d / 2][16]): the second operand of `vdpbf16ps` with
-// rows in lanes and of the tiles' scores.
+// A query row's float32 values as bf16 pairs (q[2c], q[2c + 1]), one 32-bit word each, rounded to
+// nearest even as `vcvtne2ps2bf16` rounds them on the rows-one-by-one path (a bf16 model's q comes
+// with its RoPE sum unrounded: XLA drops that rounding, so both paths must round alike), into lane
+// `lane` of `words` ([d / 2][16]): the second operand of `vdpbf16ps` with rows in lanes and of the
+// tiles' scores.
+// `vcvtne2ps2bf16`'s rounding of one float: to nearest even, a NaN made quiet, subnormals to zero.
+inline uint32_t cvtne_bf16(float value) {
+  const uint32_t bits = jaxserve_native::bits_of(value);
+  if ((bits & 0x7F800000u) == 0) return (bits >> 16) & 0x8000u;
+  return jaxserve_native::round_to_bf16(bits);
+}
+
 inline void q_pairs_into_lane(const float* qrow, int64_t d, uint32_t* words, int64_t lane) {
   for (int64_t c = 0; c < d / 2; ++c) {
-    uint32_t even, odd;
-    std::memcpy(&even, qrow + 2 * c, sizeof even);
-    std::memcpy(&odd, qrow + 2 * c + 1, sizeof odd);
-    words[c * 16 + lane] = even >> 16 | (odd & 0xFFFF0000u);
+    words[c * 16 + lane] = cvtne_bf16(qrow[2 * c]) | cvtne_bf16(qrow[2 * c + 1]) << 16;
   }
 }
 
@@ -1148,7 +1156,11 @@ ffi::Error PagedContextImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuff
   }
   // With rope: each work item rotates and scales its own rows of q (its runs, its KV head's query
   // heads) into this buffer before it reads them.
-  thread_local std::vector<float> rotated_buffer;   // the calling thread's (the helpers get this pointer)
+  // The calling thread's (the helpers get its pointer): kept up to 16 MB, larger ones freed on return.
+  constexpr size_t kKeptFloats = size_t{4} << 20;
+  thread_local std::vector<float> kept;
+  std::vector<float> once;
+  std::vector<float>& rotated_buffer = q.element_count() <= kKeptFloats ? kept : once;
   if (rope) rotated_buffer.resize(static_cast<size_t>(q.element_count()));
   float* rotated = rope ? rotated_buffer.data() : nullptr;
   const float* q_rows = rope ? rotated : static_cast<const float*>(q.untyped_data());

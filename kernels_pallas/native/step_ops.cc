@@ -162,9 +162,10 @@ ffi::Error WriteKvImpl(ffi::ThreadPool threads, ffi::AnyBuffer kv, ffi::AnyBuffe
   const int64_t KVH = kd[1], NB = kd[2], BS = kd[3], D = kd[4];
   if (td.size() != 3 || td[1] != KVH || td[2] != D || v.dimensions().size() != 3 || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("write_kv: k and v must be [T, KVH, D] of the pool's heads and head dim");
-  const auto width = [](ffi::DataType t) { return t == ffi::DataType::BF16 ? ffi::DataType::U16 : t; };
-  if (width(k.element_type()) != kv.element_type() || width(v.element_type()) != kv.element_type() ||
-      out->element_type() != kv.element_type())
+  const auto fits = [&kv](ffi::DataType t) {   // the pool's type, or bfloat16 into a pool of their bits
+    return t == kv.element_type() || (t == ffi::DataType::BF16 && kv.element_type() == ffi::DataType::U16);
+  };
+  if (!fits(k.element_type()) || !fits(v.element_type()) || out->element_type() != kv.element_type())
     return ffi::Error::InvalidArgument("write_kv: k, v and the pool must share one element type (bfloat16 k and v "
                                        "go into a uint16 pool as their bits)");
   const int64_t T = td[0], slots = NB * BS;

@@ -24,7 +24,7 @@ def case(pool_dtype, kv_dtype, tokens, seed=0):
     if pool_dtype == jnp.uint16:
         pool = np.asarray(jnp.asarray(bits, kv_dtype)).view(np.uint16)
     else:
-        pool = bits
+        pool = np.asarray(jnp.asarray(bits, pool_dtype))
     k, v = (jnp.asarray(rng.standard_normal((tokens, KVH, D)), kv_dtype) for _ in range(2))
     perm = rng.permutation(NB * BS).astype(np.int32)
     slots = perm[:tokens].copy()
@@ -34,8 +34,8 @@ def case(pool_dtype, kv_dtype, tokens, seed=0):
 
 
 @pytest.mark.parametrize("pool_dtype,kv_dtype", [
-    (jnp.float32, jnp.float32), (jnp.uint16, jnp.bfloat16), (jnp.uint16, jnp.float16), (jnp.float32, jnp.bfloat16)],
-    ids=["f32", "bf16-bits", "f16-bits", "bf16-into-f32"])
+    (jnp.float32, jnp.float32), (jnp.uint16, jnp.bfloat16), (jnp.uint16, jnp.float16), (jnp.float32, jnp.bfloat16),
+    (jnp.bfloat16, jnp.bfloat16)], ids=["f32", "bf16-bits", "f16-bits", "bf16-into-f32", "bf16-pool"])
 @pytest.mark.parametrize("tokens", [1, 7, 30])
 def test_native_write_equals_the_scatter(pool_dtype, kv_dtype, tokens):
     assert native_cpu.available()

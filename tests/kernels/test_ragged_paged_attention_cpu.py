@@ -259,6 +259,64 @@ def test_bf16_queries_dot_the_pages_as_they_lie(head_dim):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(got[True].astype(jnp.bfloat16)))
 
 
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_q_with_more_bits_than_bf16_is_rounded_alike_on_every_path(amx):
+    """A bf16 model's q reaches the kernel with its RoPE sum unrounded (XLA drops that rounding), so
+    `q_bf16` rows hold more bits than a bf16: every path rounds them to nearest even alike, so rows
+    folded 16 at a time (shared pages) and one by one still agree bit for bit."""
+    if amx and not native_cpu.attention_amx():
+        pytest.skip("no AMX tiles here")
+    q, cache, tables, ctx, qsl, num_seqs = _shared_prefix_batch(16, 64)
+    q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    q = q * np.float32(1 + 2 ** -10) + np.float32(1e-3)   # bits past bf16's, some rounding up
+    q[0, 0, :2] = [1e-40, -3e-39]                          # subnormals
+    pool = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16))
+    got = [native_cpu.paged_context_native(jnp.asarray(q * 0.125), pool, *map(jnp.asarray, (tables, ctx, qsl)),
+                                           num_seqs, bits_dtype=jnp.bfloat16, max_q_len=q.shape[0],
+                                           sliding_window=None, soft_cap=None, q_bf16=True, amx=amx,
+                                           min_lane_fill=fill) for fill in (1, 0)]
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 8, 20])
+@pytest.mark.parametrize("amx", [False, True])
+def test_q_rotated_in_the_kernel_gives_xlas_bits(head_dim, window, amx, monkeypatch):
+    """`ragged_paged_attention_cpu(q_rope=...)`: a bf16 q before its RoPE, rotated and scaled by the
+    kernel's work items, gives the bits of the q XLA rotates, for runs cut into 16-query blocks (40,
+    17), decodes, padding rows, and sliding windows, on the tiles and off them."""
+    from jaxserve.models.config import RopeScaling
+    from jaxserve.models.layers import apply_rope, rope_inv_freq, rope_tables
+    if amx and not native_cpu.attention_amx():
+        pytest.skip("no AMX tiles here")
+    monkeypatch.setenv("JAXSERVE_AMX_ATTENTION", "1" if amx else "0")
+    seqs = [(90, 40), (40, 17), (33, 1), (70, 1), (16, 1), (120, 3)]
+    args = make_batch(seqs, num_tokens=80, num_seq_slots=8, block_size=16, head_dim=head_dim, num_blocks=48,
+                      max_blocks=8, num_kv_heads=2, group=3, seed=head_dim)
+    q_raw = jnp.asarray(args[0] * 2, jnp.bfloat16)
+    pool = jnp.asarray(np.asarray(jnp.asarray(args[1], jnp.bfloat16)).view(np.uint16))
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in step_kv(args))
+    positions = jnp.asarray(np.random.default_rng(1).integers(0, 4000, size=q_raw.shape[0]), jnp.int32)
+    inv_freq = rope_inv_freq(head_dim, 10000.0, RopeScaling())
+    meta = tuple(map(jnp.asarray, args[2:]))
+
+    @jax.jit
+    def both(q_raw, positions):
+        q = apply_rope(q_raw, positions, inv_freq)
+        kw = dict(sm_scale=head_dim ** -0.5, sliding_window=window)
+        return (ragged_paged_attention_cpu(q, k, v, pool, *meta, **kw),
+                ragged_paged_attention_cpu(q, k, v, pool, *meta, **kw,
+                                           q_rope=(q_raw, *rope_tables(positions, inv_freq, jnp.bfloat16))))
+
+    xla, native = both(q_raw, positions)
+    T = int(args[4][args[5]])
+    np.testing.assert_array_equal(np.asarray(native), np.asarray(xla))
+    assert np.isfinite(np.asarray(native.astype(jnp.float32))[:T]).all()
+
+
 @pytest.mark.skipif(not native_cpu.available(), reason="native kernel not built here")
 @pytest.mark.parametrize("pool, amx", [("bfloat16", True), ("bfloat16", False), ("float32", False)])
 def test_bf16_output_is_the_float32_output_rounded_as_xla_rounds_it(pool, amx):
