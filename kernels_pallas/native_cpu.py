@@ -242,15 +242,12 @@ def paged_context_native(qs, kv_cache, block_tables, context_lens, query_start_l
     """
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"paged_context_native returns float32 or bfloat16, got {out_dtype}")
-    if rope is not None:
-        cos, sin = rope
-        if (qs.dtype != jnp.bfloat16 or qs.shape[2] % 32 or cos.dtype != jnp.bfloat16 or sin.dtype != jnp.bfloat16
-                or cos.shape != (qs.shape[0], qs.shape[2]) or sin.shape != cos.shape):
-            raise ValueError(f"paged_context_native's rope takes a bfloat16 q [T, QH, D] (D a multiple of 32) and "
-                             f"bfloat16 cos and sin [T, D], got q {qs.dtype}{list(qs.shape)}, cos "
-                             f"{cos.dtype}{list(cos.shape)} and sin {sin.dtype}{list(sin.shape)}")
-    else:
-        qs, cos, sin = qs.astype(jnp.float32), jnp.zeros((0,), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
+    if rope is not None and (qs.dtype != jnp.bfloat16 or qs.shape[2] % 32):
+        raise ValueError(f"paged_context_native's rope takes a bfloat16 q [T, QH, D] (D a multiple of 32), got q "
+                         f"{qs.dtype}{list(qs.shape)}")
+    cos, sin = _rope_tables("paged_context_native", qs, rope)
+    if rope is None:
+        qs = qs.astype(jnp.float32)
     num_tokens, num_q_heads, head_dim = qs.shape
     bits = 0 if kv_cache.dtype == jnp.float32 else _BITS.get(np.dtype(bits_dtype))
     if bits is None or (bits == 0) != (kv_cache.dtype == jnp.float32):
@@ -514,14 +511,23 @@ def write_kv(kv_cache, k, v, slot_mapping, *, rope=None):
         k, v = [jax.lax.bitcast_convert_type(x.astype(k.dtype), jnp.uint16) for x in (k, v)]
     elif kv_cache.dtype != jnp.uint16:
         k, v = k.astype(kv_cache.dtype), v.astype(kv_cache.dtype)
-    cos, sin = rope if rope is not None else (jnp.zeros((0,), jnp.bfloat16),) * 2
-    if rope is not None and (cos.shape != (k.shape[0], k.shape[2]) or sin.shape != cos.shape
-                             or cos.dtype != jnp.bfloat16 or sin.dtype != jnp.bfloat16):
-        raise ValueError(f"write_kv's rope takes cos and sin [T, D] = [{k.shape[0]}, {k.shape[2]}] bfloat16, got "
-                         f"{cos.dtype}{list(cos.shape)} and {sin.dtype}{list(sin.shape)}")
+    cos, sin = _rope_tables("write_kv", k, rope)
     call = jax.ffi.ffi_call(WRITE_KV_TARGET, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                             input_output_aliases={0: 0})
     return call(kv_cache, k, v.astype(k.dtype), slot_mapping, cos, sin, rope=np.int64(rope is not None))
+
+
+def _rope_tables(name: str, x, rope):
+    """`rope`'s (cos, sin), checked to be [T, D] bfloat16 for x [T, heads, D], for a native call that
+    rotates x; without rope, the empty stand-ins the call takes in their place."""
+    if rope is None:
+        return (jnp.zeros((0,), jnp.bfloat16),) * 2
+    cos, sin = rope
+    want = (x.shape[0], x.shape[-1])
+    if cos.shape != want or sin.shape != want or cos.dtype != jnp.bfloat16 or sin.dtype != jnp.bfloat16:
+        raise ValueError(f"{name}'s rope takes cos and sin [T, D] = [{want[0]}, {want[1]}] bfloat16, got "
+                         f"{cos.dtype}{list(cos.shape)} and {sin.dtype}{list(sin.shape)}")
+    return cos, sin
 
 
 def rope_supported(x, kv_cache) -> bool:

@@ -30,6 +30,9 @@ inline uint32_t bits_of(float f) {
   return b;
 }
 
+// A float32 rounded to bfloat16 bits, as XLA's convert rounds it (`round_to_bf16`).
+inline uint32_t bf16_bits(float f) { return round_to_bf16(bits_of(f)); }
+
 // A row's sum as the kernels take it, so that it depends only on the row: 16 lane sums over
 // i = 0 .. n - 1 in order (lane i mod 16; `step(lane, i)` returns the lane with term i added),
 // then sum16's tree (lanes l + 8, l + 4, l + 2, l + 1). Written so the compiler vectorises it.

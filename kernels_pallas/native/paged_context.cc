@@ -129,8 +129,7 @@ struct Problem {
   bool out_bf16;            // out rounded to bfloat16 as XLA's convert rounds (its consumer's dtype)
 
   void put_out(int64_t i, float value) const {
-    if (out_bf16) static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(jaxserve_native::round_to_bf16(
-        jaxserve_native::bits_of(value)));
+    if (out_bf16) static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(jaxserve_native::bf16_bits(value));
     else static_cast<float*>(out)[i] = value;
   }
 };

@@ -78,13 +78,13 @@ using jaxserve_native::bits_of;
 using jaxserve_native::round_to_bf16;
 
 // A value as bfloat16 bits: a float32 rounded (to nearest even, NaNs quiet), or bfloat16 bits as they are.
-inline uint32_t bf16_bits(float f) { return round_to_bf16(bits_of(f)); }
+using jaxserve_native::bf16_bits;
 inline uint32_t bf16_bits(uint16_t h) { return h; }
 
 template <typename T>
 inline uint16_t silu_mul_one(T gate, T up, const float* table) {
   const float product = table[bf16_bits(gate)] * jaxserve_native::bf16_to_f32(static_cast<uint16_t>(bf16_bits(up)));
-  return static_cast<uint16_t>(round_to_bf16(bits_of(product)));
+  return static_cast<uint16_t>(bf16_bits(product));
 }
 
 #ifdef __AVX512F__
