@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "bits.h"
@@ -82,10 +81,7 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 using jaxserve_native::dot_rows;
 
-// sum_k w[k] x[k] of one [N, K] row (`dot_rows`). One row at a time, each thread's run of rows is
-// one stream through memory; 16 rows side by side (16 streams) read the lm head ~1.3x slower
-// here (benchmarks/RESULTS.md). float32 rows go 4 side by side (`dots`): the float32 projections
-// pre-packed [N, K] for the tiles read ~5% faster so at one row than [K, N] rows.
+// sum_k w[k] x[k] of one [N, K] row (`dot_rows`): the rows of a run that do not fill the strands.
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {
   float y;
@@ -104,21 +100,43 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
 
 // w_i [N_i, K]: one dot product per output, the outputs of every weight (q/k/v in one call) cut
 // into a few runs per thread (a late helper leaves less to the others).
+// w_i [N_i, K]: one dot product per output. The outputs of every weight (q/k/v in one call) are
+// cut into a few runs per thread (a late helper leaves less to the others), and each run into
+// four strands read side by side, a row of each at a time. One sequential stream per thread
+// reads ~20-25 GB/s from memory on the 2-core machine, four ~27-30 (benchmarks/RESULTS.md): the
+// prefetchers follow each strand through its own pages. Rows side by side do not change a row's
+// sums (`dot_rows_at`).
 template <typename T>
 void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops, int64_t K) {
+  constexpr int kStrands = 4;
   int64_t total = 0;
   for (const Operand& op : ops) total += op.N;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), runs = std::min<int64_t>(total, 4 * threads);
-  jaxserve_native::parallel_for(pool, runs, threads, [&](int64_t r) {
-    int64_t n = total * r / runs, end = total * (r + 1) / runs, first = 0;   // rows of the weights end to end
+  auto row = [&](int64_t n, const T*& w, float*& y) {   // row n of the weights end to end
     for (const Operand& op : ops) {
-      const T* w = static_cast<const T*>(op.w);
+      if (n < op.N) {
+        w = static_cast<const T*>(op.w) + n * K, y = op.y + n;
+        return;
+      }
+      n -= op.N;
+    }
+  };
+  jaxserve_native::parallel_for(pool, runs, threads, [&](int64_t r) {
+    const int64_t n0 = total * r / runs, len = total * (r + 1) / runs - n0;
+    const int64_t strand = (len + kStrands - 1) / kStrands;   // rows a strand
+    for (int64_t i = 0; i < strand; ++i) {
+      const T* w[kStrands];
+      float* y[kStrands];
+      int c = 0;
+      for (int s = 0; s < kStrands; ++s)
+        if (s * strand + i < len) row(n0 + s * strand + i, w[c], y[c]), ++c;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-      if constexpr (std::is_same_v<T, float>)   // (bf16 rows: level or slower so, measured)
-        for (; n + 4 <= end && n + 4 <= first + op.N; n += 4) dot_rows<4>(x, w + (n - first) * K, K, op.y + n - first);
+      if (c == kStrands) {
+        jaxserve_native::dot_rows_at<kStrands>(x, w, K, y);
+        continue;
+      }
 #endif
-      for (; n < end && n < first + op.N; ++n) op.y[n - first] = dot_row(x, w + (n - first) * K, K);
-      first += op.N;
+      for (int s = 0; s < c; ++s) *y[s] = dot_row(x, w[s], K);
     }
   });
 }

@@ -81,23 +81,31 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) { return bf16x16_to_f32(_mm
 // streams): per row two chains of 16-lane multiply-adds (k mod 32 below 16, the rest; a tail
 // into the first), one horizontal sum. The same operations per row whatever R, so the same bits.
 template <int R, typename T>
-inline void dot_rows(const float* x, const T* w, int64_t K, float* y) {
+inline void dot_rows_at(const float* x, const T* const* w, int64_t K, float* const* y) {
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
     for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_fmadd_ps(load16(w + r * K + k), x0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(load16(w + r * K + k + 16), x1, a1[r]);
+      a0[r] = _mm512_fmadd_ps(load16(w[r] + k), x0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(load16(w[r] + k + 16), x1, a1[r]);
     }
   }
   for (; k < K; k += 16) {
     const __mmask16 m = tail_mask(K - k);
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-    for (int r = 0; r < R; ++r) a0[r] = _mm512_fmadd_ps(load16(w + r * K + k, m), xv, a0[r]);
+    for (int r = 0; r < R; ++r) a0[r] = _mm512_fmadd_ps(load16(w[r] + k, m), xv, a0[r]);
   }
-  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+  for (int r = 0; r < R; ++r) *y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+template <int R, typename T>
+inline void dot_rows(const float* x, const T* w, int64_t K, float* y) {
+  const T* rows[R];
+  float* outs[R];
+  for (int r = 0; r < R; ++r) rows[r] = w + r * K, outs[r] = y + r;
+  dot_rows_at<R>(x, rows, K, outs);
 }
 #endif
 
