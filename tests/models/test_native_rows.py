@@ -95,6 +95,23 @@ def test_matvecs_share_one_call(dtype, transposed):
     assert lowered.count("jaxserve_matvec") == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matvec_rows_in_strands_keep_their_bits(dtype):
+    """[N, K] rows are read four strands side by side (four rows at four addresses at a time) and the
+    runs' leftovers one by one: each row's result is the same bits as that row's product alone, and
+    matches float64 math, for row counts that leave every remainder of a strand group."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(200).astype(np.float32)   # K not a multiple of 32: the masked tail too
+    call = jax.jit(functools.partial(native_cpu.matvec, transposed=True))
+    for n in (37, 130, 263):
+        w = jnp.asarray(rng.standard_normal((n, 200)), dtype)
+        got = np.asarray(call(x, w))
+        alone = np.array([np.asarray(call(x, w[i:i + 1]))[0] for i in range(n)])
+        np.testing.assert_array_equal(got, alone)
+        w64 = np.asarray(w.astype(jnp.float32), np.float64)
+        np.testing.assert_allclose(got, w64 @ x, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("ws,transposed,match", [
     ([jnp.zeros((8, 4)), jnp.zeros((8, 4), jnp.bfloat16)], False, "one dtype"),
     ([jnp.zeros((4, 8)), jnp.zeros((4, 7))], True, "x has 8 elements"),   # [N, K]: the second one's K
