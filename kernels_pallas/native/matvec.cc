@@ -81,14 +81,14 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 using jaxserve_native::dot_rows;
 
-// sum_k w[k] x[k] of one [N, K] row (`dot_rows`): the rows of a run that do not fill the strands.
+// sum_k w[k] x[k] of one [N, K] row (`dot_rows`).
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {
   float y;
   dot_rows<1>(x, w, K, &y);
   return y;
 }
-#else
+#else   // without AVX-512: every row one at a time
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {
   float sum = 0.0f;
@@ -98,14 +98,13 @@ inline float dot_row(const float* x, const T* w, int64_t K) {
 }
 #endif
 
-// w_i [N_i, K]: one dot product per output, the outputs of every weight (q/k/v in one call) cut
-// into a few runs per thread (a late helper leaves less to the others).
 // w_i [N_i, K]: one dot product per output. The outputs of every weight (q/k/v in one call) are
 // cut into a few runs per thread (a late helper leaves less to the others), and each run into
 // four strands read side by side, a row of each at a time. One sequential stream per thread
-// reads ~20-25 GB/s from memory on the 2-core machine, four ~27-30 (benchmarks/RESULTS.md): the
-// prefetchers follow each strand through its own pages. Rows side by side do not change a row's
-// sums (`dot_rows_at`).
+// read 19-24 GB/s from memory on the 2-core machine, four 25-30 (benchmarks/RESULTS.md): the
+// prefetchers follow each strand through its own pages (16 neighbouring rows side by side read the
+// lm head ~1.3x slower than one row at a time, an earlier round). Rows side by side do not change a
+// row's sums (`dot_rows_at`).
 template <typename T>
 void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops, int64_t K) {
   constexpr int kStrands = 4;
@@ -131,12 +130,14 @@ void dots(ffi::ThreadPool& pool, const float* x, const std::vector<Operand>& ops
       for (int s = 0; s < kStrands; ++s)
         if (s * strand + i < len) row(n0 + s * strand + i, w[c], y[c]), ++c;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-      if (c == kStrands) {
-        jaxserve_native::dot_rows_at<kStrands>(x, w, K, y);
-        continue;
-      }
-#endif
+      static_assert(kStrands == 4);
+      if (c == 4) jaxserve_native::dot_rows_at<4>(x, w, K, y);
+      else if (c == 3) jaxserve_native::dot_rows_at<3>(x, w, K, y);   // the last rows of a run
+      else if (c == 2) jaxserve_native::dot_rows_at<2>(x, w, K, y);
+      else *y[0] = dot_row(x, w[0], K);
+#else
       for (int s = 0; s < c; ++s) *y[s] = dot_row(x, w[s], K);
+#endif
     }
   });
 }

@@ -77,7 +77,7 @@ inline __m512 load16(const uint16_t* p) { return load_bf16x16(p); }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
 
-// y[r] = sum_k w[r K + k] x[k] for R rows of w [R, K] (float32 or bfloat16) side by side (R
+// *y[r] = sum_k w[r][k] x[k] for R rows of K float32 or bfloat16 at R addresses, side by side (R
 // streams): per row two chains of 16-lane multiply-adds (k mod 32 below 16, the rest; a tail
 // into the first), one horizontal sum. The same operations per row whatever R, so the same bits.
 template <int R, typename T>
@@ -100,6 +100,7 @@ inline void dot_rows_at(const float* x, const T* const* w, int64_t K, float* con
   for (int r = 0; r < R; ++r) *y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+// The same for R consecutive rows of w [R, K] into y [R].
 template <int R, typename T>
 inline void dot_rows(const float* x, const T* w, int64_t K, float* y) {
   const T* rows[R];

@@ -4,6 +4,7 @@ native matvec (the batch-1 path), and 2+ rows of float32 or bf16 through the nat
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -97,13 +98,15 @@ def test_matvecs_share_one_call(dtype, transposed):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matvec_rows_in_strands_keep_their_bits(dtype):
-    """[N, K] rows are read four strands side by side (four rows at four addresses at a time) and the
-    runs' leftovers one by one: each row's result is the same bits as that row's product alone, and
-    matches float64 math, for row counts that leave every remainder of a strand group."""
+    """[N, K] rows are cut into a few runs per thread (4 per core, XLA's pool being one thread a core)
+    and each run into four strands read side by side: each row's result is the same bits as that row's
+    product alone, and matches float64 math. Row counts giving runs of every length mod 4 leave
+    strand groups of four, three, two and one rows."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal(200).astype(np.float32)   # K not a multiple of 32: the masked tail too
     call = jax.jit(functools.partial(native_cpu.matvec, transposed=True))
-    for n in (37, 130, 263):
+    runs = 4 * len(os.sched_getaffinity(0))
+    for n in (runs * 8, runs * 9 + 1, runs * 10 + 2, runs * 11 + 3):
         w = jnp.asarray(rng.standard_normal((n, 200)), dtype)
         got = np.asarray(call(x, w))
         alone = np.array([np.asarray(call(x, w[i:i + 1]))[0] for i in range(n)])
