@@ -725,12 +725,12 @@ void split_x_block(const float* x, int64_t M, int64_t K, int64_t m0, int64_t p0,
 }
 
 // Lanes `lanes` of `out` (lane c: weight row w + c K) replaced by float32 FMA dot products with x
-// (the one-row matvec's `dot_rows`).
+// (the one-row matvec's `dot_row`).
 inline __m512 fma_dots(const float* x, const float* w, int64_t K, __m512 out, __mmask16 lanes) {
   alignas(64) float o[16];
   _mm512_store_ps(o, out);
   for (int c = 0; c < 16; ++c)
-    if ((lanes >> c) & 1) jaxserve_native::dot_rows<1>(x, w + c * K, K, o + c);
+    if ((lanes >> c) & 1) o[c] = jaxserve_native::dot_row(x, w + c * K, K);
   return _mm512_load_ps(o);
 }
 

@@ -79,15 +79,7 @@ void rows_times(ffi::ThreadPool& pool, const float* x, const std::vector<Operand
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-using jaxserve_native::dot_rows;
-
-// sum_k w[k] x[k] of one [N, K] row (`dot_rows`).
-template <typename T>
-inline float dot_row(const float* x, const T* w, int64_t K) {
-  float y;
-  dot_rows<1>(x, w, K, &y);
-  return y;
-}
+using jaxserve_native::dot_row;   // sum_k w[k] x[k] of one [N, K] row
 #else   // without AVX-512: every row one at a time
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t K) {

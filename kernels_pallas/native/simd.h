@@ -100,13 +100,12 @@ inline void dot_rows_at(const float* x, const T* const* w, int64_t K, float* con
   for (int r = 0; r < R; ++r) *y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
-// The same for R consecutive rows of w [R, K] into y [R].
-template <int R, typename T>
-inline void dot_rows(const float* x, const T* w, int64_t K, float* y) {
-  const T* rows[R];
-  float* outs[R];
-  for (int r = 0; r < R; ++r) rows[r] = w + r * K, outs[r] = y + r;
-  dot_rows_at<R>(x, rows, K, outs);
+// The same for one row w [K]: sum_k w[k] x[k].
+template <typename T>
+inline float dot_row(const float* x, const T* w, int64_t K) {
+  float y, *out = &y;
+  dot_rows_at<1>(x, &w, K, &out);
+  return y;
 }
 #endif
 
