@@ -47,6 +47,12 @@ class ScriptedEngine:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else list(prompt)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not ids:   # LLMEngine.add_request's checks of the prompt, which the server relies on
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         core_ids = [f"{i}_{request_id}" for i in range(params.n)]
         for i, core_id in enumerate(core_ids):
             self._cores[core_id] = _Core(self.script(ids, i)[:params.max_tokens], params.logprobs is not None)

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.engine.async_engine import AsyncEngine
@@ -102,6 +102,8 @@ _bodies = st.dictionaries(st.sampled_from(_fields), _json, max_size=6)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@example(body={"prompt": [2 ** 40]}, path="/v1/completions")   # a token id past any vocabulary (and int64)
+@example(body={"prompt": []}, path="/v1/completions")
 @given(body=_bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize",
                                            "/detokenize"]))
 def test_fuzzed_bodies_never_get_a_5xx(srv, body, path):
