@@ -10,6 +10,8 @@ policy orders the requests in flight, not the whole file.
 Every non-blank input line gets exactly one output line, in the order they finish:
 - done: `"response": {"status_code": 200, "request_id", "body"}`, `"error": null`;
 - refused (bad url, body, params or model): the HTTP error as its response, status 400/404;
+- failed on its own in the engine (processing its output raised): status 500, its other
+  prompts aborted, and the job goes on;
 - not identifiable (not valid JSON, not an object, custom_id missing or not a string, or a
   custom_id an earlier line already used): `"response": null`, `"error": {"code",
   "message", "line", "line_key"}`, and the first line with a custom_id is the one that runs.
@@ -202,6 +204,14 @@ class _Job:
         if line is None or not out.finished:
             return
         del self.pending[out.request_id]
+        if out.error is not None:   # the line fails whole: its other prompts stop here
+            others = [eid for eid, other in self.pending.items() if other is line]
+            for eid in others:
+                del self.pending[eid]
+            self.engine.abort_request(others)
+            self._refused(line.custom_id, line.request_id,
+                          RequestError(out.error, status=500, type="internal_error"))
+            return
         line.outputs[out.request_id] = out
         if len(line.outputs) < len(line.items):
             return

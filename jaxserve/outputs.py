@@ -49,7 +49,7 @@ class CompletionOutput:
     token_ids: list[int]                         # generated token ids so far
     cumulative_logprob: float | None = None      # sum of sampled tokens' logprobs, when logprobs were asked for
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token + top-N
-    finish_reason: str | None = None             # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None             # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None         # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -70,6 +70,10 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # A producer's finished request (kv role "produce"): the export a consumer pulls.
     kv_transfer_params: KVTransferParams | None = None
+    # Set on the final output of a request that failed on its own (processing its output raised):
+    # what went wrong, by type (the traceback is in the log). Its unfinished sequences end with
+    # finish_reason "error"; the engine and the other requests carry on.
+    error: str | None = None
 
 
 def logprobs_dict(token_id: int, lp: Logprobs) -> dict[int, float]:

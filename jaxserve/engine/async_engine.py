@@ -6,7 +6,9 @@ to the engine thread through the command queue and are applied between steps; ou
 cross back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. A
 consumer that stops iterating (cancelled, disconnected) aborts its request, freeing its
 blocks. An exception in a step fails every in-flight request with that error and marks
-the engine dead (unhealthy); nothing hangs. A watchdog thread does the same when one step
+the engine dead (unhealthy); nothing hangs. A request that fails on its own (processing its
+output raised: its final output carries `error`) ends its stream with RequestFailedError, and
+the engine carries on. A watchdog thread does the same when one step
 runs longer than `step_timeout_s` (a hung device, or a dead multi-host follower inside a
 collective): the stuck thread cannot be recovered, so the engine is declared dead and
 `on_dead` (the server's exit) is called. Queue limits count sequences (n x prompts).
@@ -310,6 +312,14 @@ def _step_failed(error: BaseException) -> EngineDeadError:
     return EngineDeadError(f"the engine step failed ({type(error).__name__}; details in the server log)")
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (its output could not be processed); the engine carries on."""
+
+    def __init__(self, output: RequestOutput) -> None:
+        super().__init__(f"request {output.request_id} failed: {output.error}")
+        self.output = output
+
+
 class QueueFullError(RuntimeError):
     """Too many sequences in flight (--max-num-queued-requests)."""
 
@@ -338,6 +348,10 @@ class RequestStream:
             self.finished = True
             self.close(abort=False)
             raise item
+        if item.error is not None:
+            self.finished = True
+            self.close(abort=False)
+            raise RequestFailedError(item)
         if item.finished:
             self.finished = True
             self.close(abort=False)

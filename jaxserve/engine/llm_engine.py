@@ -344,8 +344,11 @@ class LLMEngine:
             if co.finished:
                 self._replica_of.pop(co.req_id, None)
             self.num_generation_tokens_total += len(co.new_token_ids)
-        processed, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        processed, stopped, failed = self.output_processor.process(core_outputs, time.monotonic())
         self._finish_core(stopped, RequestStatus.FINISHED_STOPPED)   # stop strings end them here
+        if failed:   # requests whose output processing raised: they alone end, with an error
+            self._drop_kv_transfers(failed)
+            self._finish_core(failed, RequestStatus.FINISHED_ABORTED)
         if self.exports is not None:
             self._export_kv(processed)
         return processed

@@ -13,16 +13,25 @@ carry:
 
 DELTA and FINAL_ONLY cost O(new tokens) per step; CUMULATIVE copies the lists (its
 callers may keep every output).
+
+A failure while one request's output is processed (a detokenizer or a stop-string bug, say)
+fails that request alone: its final output carries `error` (the exception's type; the
+traceback goes to the log under its id), its unfinished sequences end with finish_reason
+"error", and `process` returns its core ids for the engine to finish. The other requests of
+the step, and the engine, carry on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 
 from jaxserve.core import EngineCoreOutput, RequestOutputKind, SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -101,29 +110,70 @@ class OutputProcessor:
         entry = self._by_core_id.get(core_id)
         return None if entry is None else entry[0]
 
-    def process(self, core_outputs: Iterable[EngineCoreOutput], now: float) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's diffs. Returns (the outputs due, core ids that a stop string finished).
+    def process(self, core_outputs: Iterable[EngineCoreOutput],
+                now: float) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Apply one step's diffs. Returns (the outputs due, core ids that a stop string finished,
+        core ids of the requests that failed here).
 
-        The caller must finish the returned core ids in the scheduler: they are done here.
+        The caller must finish both lists of core ids in the scheduler: they are done here (a
+        failed request's final output, with `error`, is among the outputs).
         """
         changed: dict[str, _RequestState] = {}
+        failed: dict[str, tuple[_RequestState, Exception]] = {}
         stopped: list[str] = []
         for co in core_outputs:
             entry = self._by_core_id.get(co.req_id)
             if entry is None:
                 continue
             state, seq = entry
-            if self._apply(state, seq, co, now):
-                stopped.append(seq.core_id)
+            if state.request_id in failed:
+                continue
+            try:
+                if self._apply(state, seq, co, now):
+                    stopped.append(seq.core_id)
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+                failed[state.request_id] = state, e
+                continue
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
-            out = self._output(state)
+            if state.request_id in failed:
+                continue
+            try:
+                out = self._output(state)
+            except Exception as e:  # noqa: BLE001 - as above
+                failed[state.request_id] = state, e
+                continue
             if state.finished:
                 self._forget(state, now)
             if out is not None:
                 outputs.append(out)
-        return outputs, stopped
+        failed_ids = []
+        for state, error in failed.values():
+            outputs.append(self._fail(state, error, now))
+            failed_ids += [seq.core_id for seq in state.seqs]
+        if failed_ids:
+            gone = set(failed_ids)
+            stopped = [core_id for core_id in stopped if core_id not in gone]
+        return outputs, stopped, failed_ids
+
+    def _fail(self, state: _RequestState, error: Exception, now: float) -> RequestOutput:
+        """End a request whose output processing raised; its final output says so."""
+        logger.error("processing the output of request %s failed; that request ends with an error",
+                     state.request_id, exc_info=error)
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+        self._forget(state, now)
+        # What was built before the failure, read without calling into the detokenizer again.
+        completions = [CompletionOutput(index=seq.index, text=seq.detok.text, token_ids=list(seq.token_ids),
+                                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                       for seq in state.seqs]
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=True,
+                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+                             error=f"processing the request's output failed ({type(error).__name__}; details "
+                                   f"in the log)")
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         """Finish a request as aborted; returns its last output (None if unknown or nothing is due)."""

@@ -285,3 +285,24 @@ def test_memory_stays_flat_on_a_long_file(engine, tmp_path):
         return top
     small, large = peak(2_000), peak(20_000)
     assert (large - small) / 18_000 < 1_000, (small, large)
+
+
+def test_a_line_that_fails_in_the_engine_is_a_500_row_and_the_job_goes_on(engine, tmp_path, monkeypatch):
+    from tests.faults import MARKER, fail_marked_requests
+    fail_marked_requests(monkeypatch, after=2)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    # "two": three prompts, the second marked (its siblings still running are aborted with it).
+    lines = [line("one", prompt=[3, 4, 5], max_tokens=6, ignore_eos=True, temperature=0),
+             line("two", prompt=[[6, 7], [8] * 4 + MARKER, [9, 10]], max_tokens=30, ignore_eos=True),
+             line("three", prompt=[11, 12], max_tokens=6, ignore_eos=True, temperature=0)]
+    src.write_text("\n".join(lines) + "\n")
+    free = engine.stats()["kv_free_blocks"]
+    summary = run_batch(engine, src, dst, use_tqdm=False)
+    assert (summary.total, summary.succeeded, summary.failed) == (3, 2, 1)
+    by_id = {r["custom_id"]: r for r in read(dst)}
+    assert by_id["two"]["response"]["status_code"] == 500
+    assert by_id["two"]["response"]["body"]["error"]["type"] == "internal_error"
+    assert "InjectedFault" in by_id["two"]["response"]["body"]["error"]["message"]
+    for cid in ("one", "three"):
+        assert by_id[cid]["response"]["body"]["usage"]["completion_tokens"] == 6
+    assert not engine.has_unfinished_requests() and engine.stats()["kv_free_blocks"] == free

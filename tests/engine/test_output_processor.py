@@ -27,7 +27,7 @@ def run(tok, kind, plan, **params):
         diffs = [EngineCoreOutput(f"{i}_r", [tokens[step]], [],
                                   finish_reason="length" if step == len(tokens) - 1 else None)
                  for i, tokens in enumerate(plan) if step < len(tokens)]
-        outputs, _ = proc.process(diffs, float(step))
+        outputs, _, _ = proc.process(diffs, float(step))
         steps.append(outputs)
     assert len(proc) == 0
     return steps
@@ -87,7 +87,7 @@ def test_stop_strings_wait_for_min_tokens(tok):
         proc.add("r", None, [5], p, ["r"], 0.0)
         stopped_at = None
         for k, t in enumerate(words):
-            outputs, stopped = proc.process([EngineCoreOutput("r", [t], [])], float(k))
+            outputs, stopped, _ = proc.process([EngineCoreOutput("r", [t], [])], float(k))
             if stopped:
                 stopped_at = k + 1
                 (out,) = outputs

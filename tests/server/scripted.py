@@ -76,8 +76,8 @@ class ScriptedEngine:
             outs.append(EngineCoreOutput(core_id, [token], lps, finish_reason="length" if finished else None))
             if finished:
                 del self._cores[core_id]
-        outputs, stopped = self.output_processor.process(outs, time.monotonic())
-        for core_id in stopped:
+        outputs, stopped, failed = self.output_processor.process(outs, time.monotonic())
+        for core_id in stopped + failed:
             self._cores.pop(core_id, None)
         return outputs
 

@@ -8,6 +8,8 @@ import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
 
+from tests.faults import MARKER, fail_marked_requests
+
 from .conftest import RunningServer, metric
 
 
@@ -108,6 +110,40 @@ def test_fifty_streams_cut_mid_generation_leave_the_pool_as_full_as_before(serve
                 metric(server.url, "jaxserve:num_requests_waiting") == 0:
             break
         asyncio.run(asyncio.sleep(0.05))
+    assert metric(server.url, "jaxserve:num_requests_running") == 0
+    assert metric(server.url, "jaxserve:kv_cache_free_blocks") == free_before
+
+
+def test_a_request_that_fails_alone_is_500_and_the_server_keeps_serving(server, monkeypatch):
+    """Processing one request's output raises (an injected fault): that request gets a 500 (or,
+    streamed, an error event and [DONE]), while a request running beside it and later ones are
+    served, and the pool is as full as before."""
+    fail_marked_requests(monkeypatch, after=3)
+    free_before = metric(server.url, "jaxserve:kv_cache_free_blocks")
+    bad = {"prompt": [9] * 10 + MARKER, "max_tokens": 40, "ignore_eos": True}
+    good = {"prompt": [3, 4, 5], "max_tokens": 40, "ignore_eos": True}
+
+    async def streamed(client, body):
+        events = []
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        return events
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(client.post(f"{server.url}/v1/completions", json=bad),
+                                        streamed(client, {**bad, "stream": True, "n": 2}),
+                                        client.post(f"{server.url}/v1/completions", json=good))
+    plain, events, beside = asyncio.run(main())
+    assert_error(plain, 500, contains="internal error")
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
+    assert len(events) > 2 and all("choices" in json.loads(e) for e in events[:-2])   # tokens before it
+    assert beside.status_code == 200 and beside.json()["usage"]["completion_tokens"] == 40
+    assert post(server, "/v1/completions", good).status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
     assert metric(server.url, "jaxserve:num_requests_running") == 0
     assert metric(server.url, "jaxserve:kv_cache_free_blocks") == free_before
 
