@@ -11,7 +11,8 @@ Every non-blank input line gets exactly one output line, in the order they finis
 - done: `"response": {"status_code": 200, "request_id", "body"}`, `"error": null`;
 - refused (bad url, body, params or model): the HTTP error as its response, status 400/404;
 - failed on its own in the engine (processing its output raised): status 500, its other
-  prompts aborted, and the job goes on;
+  prompts aborted, and the job goes on (like the others, this line counts as answered: a
+  rerun does not retry it);
 - not identifiable (not valid JSON, not an object, custom_id missing or not a string, or a
   custom_id an earlier line already used): `"response": null`, `"error": {"code",
   "message", "line", "line_key"}`, and the first line with a custom_id is the one that runs.

@@ -26,7 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from jaxserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError,
+                                          RequestStream)
 from jaxserve.outputs import RequestOutput
 from jaxserve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_logprobs,
                                completion_logprobs, echo_text, end_offset, join_logprobs, new_id,
@@ -56,9 +57,13 @@ def as_request_error(e: BaseException, request_id: str | None = None, *, admitte
 
 
 def internal_error(e: BaseException, request_id: str | None = None) -> RequestError:
-    """A 500 that tells the client only an id; the details go to the log under that id."""
+    """A 500 that tells the client only an id; the details go to the log under that id (a request
+    that failed in the engine: its traceback is there already, under the engine's id)."""
     request_id = request_id or new_id("err")
-    logger.error("internal error (request %s)", request_id, exc_info=e)
+    if isinstance(e, RequestFailedError):
+        logger.error("internal error (request %s): %s", request_id, e)
+    else:
+        logger.error("internal error (request %s)", request_id, exc_info=e)
     return RequestError(f"internal error (request id {request_id})", status=500, type="internal_error")
 
 

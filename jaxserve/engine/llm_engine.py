@@ -350,7 +350,7 @@ class LLMEngine:
             self._drop_kv_transfers(failed)
             self._finish_core(failed, RequestStatus.FINISHED_ABORTED)
         if self.exports is not None:
-            self._export_kv(processed)
+            self._export_kv(processed, skip=set(failed))
         return processed
 
     def _can_overlap(self) -> bool:
@@ -369,12 +369,15 @@ class LLMEngine:
         if launched is not None:
             self._finish(launched)
 
-    def _export_kv(self, outputs: list[RequestOutput]) -> None:
+    def _export_kv(self, outputs: list[RequestOutput], skip: set[str] = frozenset()) -> None:
         """Gather the blocks of the produce requests that just finished (before any later step reuses
-        them) into host exports, and put the transfer on each one's final output."""
+        them) into host exports, and put the transfer on each one's final output. Those in `skip`
+        (failed: no consumer will pull them) are dropped."""
         exported = {}
         for replica in self.replicas:
             for ex in replica.scheduler.take_kv_exports():
+                if ex.request_id in skip:
+                    continue
                 n = len(ex.block_ids)
                 if n:
                     payload = self._canonical(replica.runner.gather_blocks(ex.block_ids))

@@ -158,20 +158,33 @@ class OutputProcessor:
         return outputs, stopped, failed_ids
 
     def _fail(self, state: _RequestState, error: Exception, now: float) -> RequestOutput:
-        """End a request whose output processing raised; its final output says so."""
+        """End a request whose output processing raised; its final output says so and carries what
+        it had (whole, or what was not yet handed out for DELTA), read without calling into the
+        detokenizer again."""
         logger.error("processing the output of request %s failed; that request ends with an error",
                      state.request_id, exc_info=error)
         for seq in state.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
         self._forget(state, now)
-        # What was built before the failure, read without calling into the detokenizer again.
-        completions = [CompletionOutput(index=seq.index, text=seq.detok.text, token_ids=list(seq.token_ids),
-                                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-                       for seq in state.seqs]
+        delta = state.params.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for seq in state.seqs:
+            if delta and seq.sent_finish:
+                continue
+            start_tokens, start_text = (seq.sent_tokens, seq.sent_text) if delta else (0, 0)
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.detok.text[start_text:], token_ids=seq.token_ids[start_tokens:],
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=None if seq.logprobs is None else seq.logprobs[start_tokens:],
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs[state.sent_prompt_logprobs if delta else 0:]
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=True,
                              num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+                             prompt_logprobs=prompt_logprobs,
                              error=f"processing the request's output failed ({type(error).__name__}; details "
                                    f"in the log)")
 

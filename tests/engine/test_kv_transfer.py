@@ -251,3 +251,14 @@ def test_producers_with_tensor_parallelism_feed_a_consumer_without(tiny_models):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tp=2 identical 3/3, pulls received so far 3" in proc.stdout, proc.stdout
     assert "tp=4 identical 3/3, pulls received so far 6" in proc.stdout, proc.stdout
+
+
+def test_a_producer_request_that_fails_leaves_no_export(pair, monkeypatch):
+    from jaxserve.core.kv_transfer import KVTransferParams
+    from tests.faults import MARKER, fail_marked_requests
+    producer, _, _ = pair
+    fail_marked_requests(monkeypatch, after=1)     # its one token's processing raises
+    out = run(producer, "fails", prompt(40) + MARKER, GREEDY.clone(max_tokens=1),
+              kv_transfer=KVTransferParams(role="produce", transfer_id="t-fails"))
+    assert "InjectedFault" in out.error and out.kv_transfer_params is None
+    assert len(producer.exports) == 0      # nothing gathered for a consumer that will never pull it

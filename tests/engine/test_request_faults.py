@@ -4,7 +4,7 @@ tokens unchanged) and later ones carry on, and the failed request's blocks are f
 import asyncio
 
 from jaxserve import SamplingParams
-from jaxserve.core import EngineCoreOutput
+from jaxserve.core import EngineCoreOutput, Logprobs
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.engine.output_processor import OutputProcessor
 from tests.faults import MARKER, fail_marked_requests
@@ -35,6 +35,25 @@ def test_processor_fails_the_request_alone_and_returns_all_its_core_ids(tok, mon
     # Later diffs of the failed request (a step already in flight) are ignored.
     outs, _, failed = proc.process([EngineCoreOutput("0_bad", [73], [], finish_reason="length")], 3.0)
     assert outs == [] and failed == []
+
+
+def test_a_delta_request_fails_with_only_what_was_not_yet_handed_out(tok, monkeypatch):  # noqa: F811
+    from jaxserve import RequestOutputKind
+    fail_marked_requests(monkeypatch, after=3)
+    proc = OutputProcessor(tok)
+    proc.add("bad", None, [5] + MARKER, SamplingParams(n=2, max_tokens=9, logprobs=1,
+                                                       output_kind=RequestOutputKind.DELTA), ["0_bad", "1_bad"], 0.0)
+    lp = Logprobs(-0.5, [3], [-0.25])
+    step = [EngineCoreOutput("0_bad", [70], [lp]), EngineCoreOutput("1_bad", [71], [lp], finish_reason="length")]
+    (first,), _, _ = proc.process(step, 1.0)
+    assert [c.token_ids for c in first.outputs] == [[70], [71]]
+    (second,), _, _ = proc.process(step[:1], 2.0)
+    (bad,), _, failed = proc.process(step[:1], 3.0)
+    assert failed == ["0_bad", "1_bad"] and bad.error is not None
+    # Sibling 1 had finished and was reported: not again. Sibling 0: the tokens after the last output.
+    assert [(c.index, c.token_ids, c.finish_reason) for c in bad.outputs] == [(0, [70], "error")]
+    assert len(bad.outputs[0].logprobs) == 1 and bad.outputs[0].cumulative_logprob == -1.5
+    assert bad.outputs[0].text == ""    # the failed token's text was never decoded
 
 
 def test_engine_fails_only_the_request_and_frees_its_blocks(tiny_engine, monkeypatch):
