@@ -12,6 +12,9 @@ ends with a pass/fail and its figures:
   with the greedy output it has when it runs alone;
 - step failure / hung step: a step that raises (or never returns) while clients stream;
   they get an error event, /health turns 503 and the process exits 1 within seconds;
+- request failure: processing some requests' outputs raises (those whose prompt ends with
+  MARKER, streamed and not, n 1-2) while others run beside them: only those fail (500 or an
+  error event), the others get all their tokens, the server stays healthy and nothing is held;
 - soak: clients that come and go at a steady load for --soak-s seconds; errors, the
   server's RSS growth after warm-up and the ITL p99 of each window;
 - bad bodies: 10 MB bodies, deep JSON, invalid UTF-8, huge n / logprobs / stop lists.
@@ -22,7 +25,8 @@ folder): these rows test the server, not the model. Usage:
     python benchmarks/fault_suite.py [--model DIR] [--soak-s 600] [--schemathesis-examples 600]
 
 `--fault-serve MODE` is internal: it runs `jaxserve serve` with a step that raises
-(MODE=raise) or hangs (MODE=hang) once the file named by $JAXSERVE_FAULT_TRIGGER exists.
+(MODE=raise) or hangs (MODE=hang) once the file named by $JAXSERVE_FAULT_TRIGGER exists, or
+(MODE=request) a detokenizer that raises at the third token of a prompt ending with MARKER.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import httpx
 from bench_client import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
+MARKER = [17, 29, 31, 37, 41]   # request-failure row: prompts ending with these ids fail in output processing
 SERVE_ARGS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
               "--token-buckets", "4,16,64", "--num-kv-blocks", "256"]
 
@@ -296,6 +301,57 @@ def row_step_fault(model: str, mode: str) -> dict:
             "ok": all(ended_well) and code == 1 and health in (503, "gone")}
 
 
+def row_request_fault(model: str, num: int, seed: int) -> dict:
+    """`num` clients at once, a third of them marked; streamed or not, n 1 or 2."""
+    rng = random.Random(seed)
+    plans = [dict(marked=i % 3 == 0, stream=rng.random() < 0.5, n=rng.choice([1, 2])) for i in range(num)]
+    with Server(model, fault="request") as server:
+        async def one(client, i, plan):
+            ids = [rng.randrange(3, 200) for _ in range(rng.randrange(4, 30))]
+            body = {"prompt": ids + MARKER if plan["marked"] else ids, "max_tokens": 40, "ignore_eos": True,
+                    "n": plan["n"], "stream": plan["stream"]}
+            if plan["stream"]:
+                body["stream_options"] = {"include_usage": True}
+            if not plan["stream"]:
+                r = await client.post(f"{server.url}/v1/completions", json=body)
+                usage = r.json().get("usage", {}) if r.status_code == 200 else {}
+                return r.status_code == 500 if plan["marked"] else \
+                    r.status_code == 200 and usage.get("completion_tokens") == 40 * plan["n"]
+            events = []
+            async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            if plan["marked"]:
+                return events[-1:] == ["[DONE]"] and "error" in json.loads(events[-2])
+            chunks = [json.loads(e) for e in events[:-1]]
+            usage = chunks[-1].get("usage") or {} if chunks else {}
+            return events[-1:] == ["[DONE]"] and not any("error" in c for c in chunks) and \
+                usage.get("completion_tokens") == 40 * plan["n"]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(plans)))
+        t0 = time.monotonic()
+        results = asyncio.run(main())
+        seconds = time.monotonic() - t0
+        try:
+            health = httpx.get(f"{server.url}/health", timeout=10).status_code
+            after = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4},
+                               timeout=60).status_code
+            idle = idle_figures(server)
+        except httpx.HTTPError:     # the server went down with the failure
+            health = after = "gone"
+            idle = {"server": "gone"}
+    marked = sum(p["marked"] for p in plans)
+    as_expected_marked = sum(ok for ok, p in zip(results, plans) if p["marked"])
+    as_expected_other = sum(ok for ok, p in zip(results, plans) if not p["marked"])
+    return {"clients": num, "marked": marked, "marked_failed_alone": as_expected_marked,
+            "others_served_whole": as_expected_other, "health_after": health, "request_after": after,
+            "seconds": round(seconds, 1), "idle": idle,
+            "ok": all(results) and health == 200 and after == 200 and not any(idle.values())}
+
+
 def row_soak(model: str, seconds: float, seed: int) -> dict:
     rng = random.Random(seed)
     with Server(model, "--max-num-queued-requests", "128") as server:
@@ -386,7 +442,7 @@ def row_bad_bodies(model: str) -> dict:
             "ok": all(s in (400, 413) for s in statuses.values()) and not any(idle.values())}
 
 
-ROWS = ("schemathesis", "disconnects", "pool", "step-failure", "hung-step", "soak", "bad-bodies")
+ROWS = ("schemathesis", "disconnects", "pool", "step-failure", "hung-step", "request-failure", "soak", "bad-bodies")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="generated bodies per route and mode (valid / not)")
     ap.add_argument("--storm", type=int, default=200, help="clients in the disconnect storm")
     ap.add_argument("--pool-requests", type=int, default=12)
+    ap.add_argument("--request-clients", type=int, default=48, help="clients in the request-failure row")
     ap.add_argument("--soak-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-file", default=None, help="write the rows as JSON here")
@@ -419,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             out = row_step_fault(model, "raise")
         elif name == "hung-step":
             out = row_step_fault(model, "hang")
+        elif name == "request-failure":
+            out = row_request_fault(model, args.request_clients, args.seed)
         elif name == "soak":
             out = row_soak(model, args.soak_s, args.seed)
         else:
@@ -432,10 +491,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fault_serve(mode: str, serve_args: list[str]) -> int:
-    """`jaxserve serve` whose next step raises (or hangs) once $JAXSERVE_FAULT_TRIGGER exists."""
+    """`jaxserve serve` whose next step raises (or hangs) once $JAXSERVE_FAULT_TRIGGER exists, or
+    (mode "request") whose output processing raises for prompts that end with MARKER."""
     from jaxserve.cli import main as cli_main
+    from jaxserve.engine.detokenizer import IncrementalDetokenizer
     from jaxserve.runner.model_runner import ModelRunner
 
+    if mode == "request":
+        real_update = IncrementalDetokenizer.update
+
+        def update(self, new_token_ids, check_stop=True):
+            # The detokenizer keeps the prompt's last 5 ids as context, then the output's.
+            if self.tokens[:len(MARKER)] == MARKER and len(self.tokens) - len(MARKER) + len(new_token_ids) >= 3:
+                raise RuntimeError("injected output-processing failure")
+            return real_update(self, new_token_ids, check_stop)
+        IncrementalDetokenizer.update = update
+        return cli_main(["serve", *serve_args])
     trigger = Path(os.environ["JAXSERVE_FAULT_TRIGGER"])
     real_launch = ModelRunner.launch
 
