@@ -6,12 +6,12 @@ to the engine thread through the command queue and are applied between steps; ou
 cross back through `loop.call_soon_threadsafe` into one asyncio.Queue per request. A
 consumer that stops iterating (cancelled, disconnected) aborts its request, freeing its
 blocks. An exception in a step fails every in-flight request with that error and marks
-the engine dead (unhealthy); nothing hangs. A request that fails on its own (processing its
-output raised: its final output carries `error`) ends its stream with RequestFailedError, and
-the engine carries on. A watchdog thread does the same when one step
+the engine dead (unhealthy); nothing hangs. A watchdog thread does the same when one step
 runs longer than `step_timeout_s` (a hung device, or a dead multi-host follower inside a
 collective): the stuck thread cannot be recovered, so the engine is declared dead and
-`on_dead` (the server's exit) is called. Queue limits count sequences (n x prompts).
+`on_dead` (the server's exit) is called. A request that fails on its own (processing its
+output raised: its final output carries `error`) ends only its stream, with
+RequestFailedError; the engine carries on. Queue limits count sequences (n x prompts).
 """
 
 from __future__ import annotations
