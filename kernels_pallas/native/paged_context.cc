@@ -37,6 +37,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1054,6 +1055,53 @@ void attend_amx(const Problem& pr, Scratch& w, Run* runs, int64_t n, int64_t h) 
 }
 #endif
 
+// Output row `row`: a row's sums acc [D] times inv (one float32 multiply each), in column order
+// (the sums in amx_col order when `amx_columns`), as float32 or rounded to bfloat16 as put_out
+// rounds them; 16 columns at a time (the same values as one by one).
+inline void put_row(const Problem& pr, int64_t row, const float* acc, float inv, bool amx_columns) {
+  const int64_t D = pr.D;
+  int64_t d = 0;
+#ifdef __AVX512F__
+  const __m512 scale = _mm512_set1_ps(inv);
+  auto store16 = [&](int64_t col, __m512 v) {
+    if (pr.out_bf16) {
+      const __m512i bits = jaxserve_native::round_to_bf16x16(_mm512_castps_si512(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(pr.out) + row * D + col),
+                          _mm512_cvtepi32_epi16(bits));
+    } else {
+      _mm512_storeu_ps(static_cast<float*>(pr.out) + row * D + col, v);
+    }
+  };
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_columns) {   // D a multiple of 32: each 32 sums hold columns amx_col(dp) of their 32
+    static const auto from = [] {   // from[c]: the position dp (of 32) that holds column c
+      std::array<int32_t, 32> f{};
+      for (int32_t dp = 0; dp < 32; ++dp) f[amx_col(dp)] = dp;
+      return f;
+    }();
+    const __m512i lo = _mm512_loadu_si512(from.data()), hi = _mm512_loadu_si512(from.data() + 16);
+    for (; d + 32 <= D; d += 32) {
+      const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale);
+      const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), scale);
+      store16(d, _mm512_permutex2var_ps(a, lo, b));
+      store16(d + 16, _mm512_permutex2var_ps(a, hi, b));
+    }
+  }
+#endif
+  if (!amx_columns)
+    for (; d + 16 <= D; d += 16) store16(d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
+#endif
+  for (; d < D; ++d) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_columns) {
+      pr.put_out(row * D + amx_col(d), acc[d] * inv);
+      continue;
+    }
+#endif
+    pr.put_out(row * D + d, acc[d] * inv);
+  }
+}
+
 // Rows of up to kSeqGroup sequences over KV head h, walked page index by page index: when
 // sequences share a prefix, their shared pages are read from memory once and from cache by
 // the others (cascade attention without a separate pass). kD: the head dim of the common
@@ -1118,14 +1166,7 @@ void attend(const Problem& pr, Scratch& w, const Segment* segs, int64_t count, i
       if (r.l[k] == 0.0f) continue;
       const int64_t j = k / G, g = k % G;
       const int64_t row = (r.start + j) * QH + h * G + g;
-      const float inv = 1.0f / r.l[k];
-      if (amx_columns) {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-        for (int64_t d = 0; d < D; ++d) pr.put_out(row * D + amx_col(d), r.acc[k * D + d] * inv);
-#endif
-      } else {
-        for (int64_t d = 0; d < D; ++d) pr.put_out(row * D + d, r.acc[k * D + d] * inv);
-      }
+      put_row(pr, row, r.acc + k * D, 1.0f / r.l[k], amx_columns);
       pr.lse[row] = r.m[k] + std::log(r.l[k]);
     }
   }
