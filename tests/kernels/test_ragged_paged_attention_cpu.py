@@ -201,9 +201,10 @@ def test_one_token_step(ctx, native):
     np.testing.assert_allclose(np.asarray(got), naive_attention(*args, sm_scale=SM_SCALE), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (16, 128), (32, 64), (64, 128), (8, 32)])
+@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (16, 128), (32, 64), (64, 128), (8, 32), (16, 40)])
 def test_native_compiled_shapes(block_size, head_dim):
-    """The kernel's shape-specialised copies (page 16/32 x head_dim 64/128) and the generic one."""
+    """The kernel's shape-specialised copies (page 16/32 x head_dim 64/128) and the generic one (a
+    head dim of 40: rows written 16 columns at a time, then 8 one by one)."""
     seqs = [(70, 1), (33, 1), (16, 1), (17, 1), (90, 20), (1, 1), (48, 2)]
     args = make_batch(seqs, block_size=block_size, head_dim=head_dim, num_blocks=64,
                       max_blocks=-(-90 // block_size), num_kv_heads=3, group=3)
