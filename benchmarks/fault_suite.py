@@ -13,8 +13,9 @@ ends with a pass/fail and its figures:
 - step failure / hung step: a step that raises (or never returns) while clients stream;
   they get an error event, /health turns 503 and the process exits 1 within seconds;
 - request failure: processing some requests' outputs raises (those whose prompt ends with
-  MARKER, streamed and not, n 1-2) while others run beside them: only those fail (500 or an
-  error event), the others get all their tokens, the server stays healthy and nothing is held;
+  tests/faults.py's MARKER, streamed and not, n 1-2) while others run beside them: only those
+  fail (500 or an error event), the others get all their tokens, the server stays healthy and
+  nothing is held;
 - soak: clients that come and go at a steady load for --soak-s seconds; errors, the
   server's RSS growth after warm-up and the ITL p99 of each window;
 - bad bodies: 10 MB bodies, deep JSON, invalid UTF-8, huge n / logprobs / stop lists.
@@ -26,7 +27,8 @@ folder): these rows test the server, not the model. Usage:
 
 `--fault-serve MODE` is internal: it runs `jaxserve serve` with a step that raises
 (MODE=raise) or hangs (MODE=hang) once the file named by $JAXSERVE_FAULT_TRIGGER exists, or
-(MODE=request) a detokenizer that raises at the third token of a prompt ending with MARKER.
+(MODE=request) a detokenizer that raises at the third token of a prompt ending with
+tests/faults.py's MARKER.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ import httpx
 from bench_client import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKER = [17, 29, 31, 37, 41]   # request-failure row: prompts ending with these ids fail in output processing
 SERVE_ARGS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
               "--token-buckets", "4,16,64", "--num-kv-blocks", "256"]
 
@@ -114,8 +115,15 @@ class Server:
         self.stop()
 
 
+def _tests_importable() -> None:
+    """The tests' tiny model and injected faults are the fault suite's too: the checkout's root on
+    sys.path (its servers get it as PYTHONPATH)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
 def tiny_model() -> str:
-    sys.path.insert(0, str(ROOT))
+    _tests_importable()
     from tests.fixtures.tiny_models import write_tiny_model
 
     return str(write_tiny_model("llama", Path(tempfile.mkdtemp(prefix="jaxserve-fault-")) / "llama"))
@@ -303,6 +311,9 @@ def row_step_fault(model: str, mode: str) -> dict:
 
 def row_request_fault(model: str, num: int, seed: int) -> dict:
     """`num` clients at once, a third of them marked; streamed or not, n 1 or 2."""
+    _tests_importable()
+    from tests.faults import MARKER
+
     rng = random.Random(seed)
     plans = [dict(marked=i % 3 == 0, stream=rng.random() < 0.5, n=rng.choice([1, 2])) for i in range(num)]
     with Server(model, fault="request") as server:
@@ -492,20 +503,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def fault_serve(mode: str, serve_args: list[str]) -> int:
     """`jaxserve serve` whose next step raises (or hangs) once $JAXSERVE_FAULT_TRIGGER exists, or
-    (mode "request") whose output processing raises for prompts that end with MARKER."""
+    (mode "request") whose output processing raises for prompts that end with tests/faults.py's MARKER."""
     from jaxserve.cli import main as cli_main
     from jaxserve.engine.detokenizer import IncrementalDetokenizer
     from jaxserve.runner.model_runner import ModelRunner
 
     if mode == "request":
-        real_update = IncrementalDetokenizer.update
+        _tests_importable()
+        from tests.faults import raising_for_marked
 
-        def update(self, new_token_ids, check_stop=True):
-            # The detokenizer keeps the prompt's last 5 ids as context, then the output's.
-            if self.tokens[:len(MARKER)] == MARKER and len(self.tokens) - len(MARKER) + len(new_token_ids) >= 3:
-                raise RuntimeError("injected output-processing failure")
-            return real_update(self, new_token_ids, check_stop)
-        IncrementalDetokenizer.update = update
+        IncrementalDetokenizer.update = raising_for_marked(IncrementalDetokenizer.update, after=3)
         return cli_main(["serve", *serve_args])
     trigger = Path(os.environ["JAXSERVE_FAULT_TRIGGER"])
     real_launch = ModelRunner.launch

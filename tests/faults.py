@@ -13,11 +13,15 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def fail_marked_requests(monkeypatch, after: int = 3) -> None:
-    real = IncrementalDetokenizer.update
-
-    def update(self, new_token_ids, check_stop=True):
+def raising_for_marked(update, after: int):
+    """IncrementalDetokenizer.update, raising InjectedFault for a marked prompt's sequence once it
+    has `after` output tokens (the fault suite's server patches the class with it too)."""
+    def patched(self, new_token_ids, check_stop=True):
         if self.tokens[:len(MARKER)] == MARKER and len(self.tokens) - len(MARKER) + len(new_token_ids) >= after:
             raise InjectedFault("injected fault in the detokenizer")
-        return real(self, new_token_ids, check_stop)
-    monkeypatch.setattr(IncrementalDetokenizer, "update", update)
+        return update(self, new_token_ids, check_stop)
+    return patched
+
+
+def fail_marked_requests(monkeypatch, after: int = 3) -> None:
+    monkeypatch.setattr(IncrementalDetokenizer, "update", raising_for_marked(IncrementalDetokenizer.update, after))
