@@ -1091,15 +1091,8 @@ inline void put_row(const Problem& pr, int64_t row, const float* acc, float inv,
   if (!amx_columns)
     for (; d + 16 <= D; d += 16) store16(d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
 #endif
-  for (; d < D; ++d) {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_columns) {
-      pr.put_out(row * D + amx_col(d), acc[d] * inv);
-      continue;
-    }
-#endif
-    pr.put_out(row * D + d, acc[d] * inv);
-  }
+  // Only the vector folds' rows reach here (the tiles take head dims of 64 and 128, done above).
+  for (; d < D; ++d) pr.put_out(row * D + d, acc[d] * inv);
 }
 
 // Rows of up to kSeqGroup sequences over KV head h, walked page index by page index: when
