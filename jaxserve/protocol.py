@@ -130,8 +130,8 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     cache_salt: str | None = None
     prompt_logprobs: int | None = None    # vLLM: logprobs of every prompt token (top-N each)
+    logit_bias: dict[str, float] | None = None      # OpenAI's: token id (as a string) -> bias in [-100, 100]
     # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
-    logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # vLLM: json, json_object, regex, choice, grammar
     metadata: dict[str, Any] | None = None
@@ -139,8 +139,19 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = None
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
+        """Refuse fields the schema accepts but the server does not serve (each request kind adds its own)."""
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias with its keys read as token ids (their range and the biases' are SamplingParams')."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise RequestError(f"invalid key in logit_bias: {key!r}; the keys are token ids (non-negative "
+                                   "integers)", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The request's constraint, from vLLM's structured_outputs or OpenAI's response_format."""
@@ -172,6 +183,7 @@ class _SamplingFields(BaseModel):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         structured = self._structured_outputs()     # its own RequestErrors name their param
+        bias = self._logit_bias()
         try:
             return SamplingParams(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                                   ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
@@ -180,7 +192,7 @@ class _SamplingFields(BaseModel):
                                   prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else
                                   self.prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-                                  structured_outputs=structured, **kw)
+                                  structured_outputs=structured, logit_bias=bias, **kw)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
 

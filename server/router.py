@@ -50,7 +50,7 @@ from server.router_stream import OutputAssembler, RouterStream, read_message
 logger = logging.getLogger(__name__)
 
 PATHS = ("disaggregated", "decode_only")
-# vLLM's names, as SamplingParams's; the scalar and list ones copy by name, structured_outputs is converted.
+# vLLM's names, as SamplingParams's; the scalar, list and map ones copy by name, structured_outputs is converted.
 _PROTO_FIELDS = tuple(n for n in pb.SamplingParams.DESCRIPTOR.fields_by_name if n != "structured_outputs")
 PRODUCER_RETRY_S = 5.0     # a producer that failed a request gets none for this long
 _RPC_TIMEOUT_S = 5.0       # polls and releases

@@ -39,7 +39,7 @@ from jaxserve.core.outputs import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 STOP = "stop"          # the leader's last message: followers return from their loop
-FORMAT_VERSION = 2     # bump on any change to the message schema
+FORMAT_VERSION = 3     # bump on any change to the message schema
 _STEP_PREFIX = "jaxserve/step/"
 _ACK_PREFIX = "jaxserve/ack/"
 

@@ -7,11 +7,11 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
                                    NewRequestData, SchedulerOutput)
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.core.scheduler import Scheduler
 
 __all__ = [
     "BlockPool", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock", "KVCacheManager", "Logprobs",
-    "ModelRunnerOutput", "NewRequestData", "Request", "RequestOutputKind", "RequestStatus", "SamplingParams", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "StructuredOutputsParams",
+    "MAX_LOGIT_BIAS", "ModelRunnerOutput", "NewRequestData", "Request", "RequestOutputKind", "RequestStatus",
+    "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StructuredOutputsParams",
 ]

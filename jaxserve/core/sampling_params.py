@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as in vLLM
+MAX_LOGIT_BIAS = 300   # tokens one request may bias (OpenAI's limit; the step carries this many per row)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -86,8 +87,12 @@ class SamplingParams:
     skip_special_tokens: bool = True           # drop special tokens from the text
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each output carries
     structured_outputs: StructuredOutputsParams | None = None       # constrain the text (JSON, regex, ...)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
 
     def __post_init__(self) -> None:
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+               "must be a dict of token id -> bias")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -134,6 +139,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                    "must hold non-negative integers")
+        if self.logit_bias:
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} tokens>",
+                   f"may bias at most {MAX_LOGIT_BIAS} tokens")
+            for t, b in self.logit_bias.items():
+                _check(_is_int(t) and t >= 0, "logit_bias", {t: b}, "must map non-negative integer token ids")
+                _check(_is_num(b) and -100.0 <= b <= 100.0, "logit_bias", {t: b}, "must map to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

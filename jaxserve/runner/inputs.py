@@ -13,7 +13,7 @@ import functools
 import jax
 import numpy as np
 
-from jaxserve.core import SamplingParams
+from jaxserve.core import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.models.metadata import AttentionMetadata
 from jaxserve.runner.sampler import SamplingMetadata
 
@@ -54,6 +54,9 @@ class StepInputs:
     want_logprobs: jax.Array     # [] bool: some row asked for logprobs (the sampled token's, top-N)
     token_bitmask: jax.Array     # [R, ceil(V / 32)] int32 allowed tokens (structured output); all ones unconstrained
     use_bitmask: jax.Array       # [] bool: some row is constrained (else the mask is not applied at all)
+    bias_token_ids: jax.Array    # [R, MAX_LOGIT_BIAS] int32 token ids whose logits get a bias (padding -1)
+    bias_values: jax.Array       # [R, MAX_LOGIT_BIAS] f32 the bias added to each (padding 0)
+    use_bias: jax.Array          # [] bool: some row has a logit_bias (else no bias is added at all)
     attn: AttentionMetadata
     sampling: SamplingMetadata
 
@@ -71,6 +74,14 @@ class PromptLogprobsInputs:
 def _minus_ones(rows: int, cols: int) -> np.ndarray:
     """A shared read-only [rows, cols] int32 array of -1: no tokens (padding), or as a bitmask every token allowed."""
     a = np.full((rows, cols), -1, np.int32)
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros(rows: int, cols: int) -> np.ndarray:
+    """A shared read-only [rows, cols] float32 array of zeros (no bias)."""
+    a = np.zeros((rows, cols), np.float32)
     a.flags.writeable = False
     return a
 
@@ -195,6 +206,12 @@ def prepare_inputs(
         prompt_ids = np.full((R, max_model_len), -1, np.int32)
     else:   # the common case: one shared read-only array of padding, nothing to fill
         output_ids = prompt_ids = _minus_ones(R, max_model_len)
+    biased = any(st.sampling_params.logit_bias for st, _ in scheduled)
+    if biased:
+        bias_ids = np.full((R, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
+    else:
+        bias_ids, bias_values = _minus_ones(R, MAX_LOGIT_BIAS), _zeros(R, MAX_LOGIT_BIAS)
     want_logprobs = False
 
     t = r = 0
@@ -233,6 +250,10 @@ def prepare_inputs(
             presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             output_ids[r, :st.num_output_tokens] = st.token_ids[st.num_prompt_tokens:]
             prompt_ids[r, :st.num_prompt_tokens] = st.token_ids[:st.num_prompt_tokens]
+        if p.logit_bias:    # every row of the request: its last token's and each draft's
+            ids, values = zip(*p.logit_bias.items())
+            bias_ids[rows, :len(ids)] = ids
+            bias_values[rows, :len(ids)] = values
         if st.num_output_tokens < p.min_tokens:
             ban = [] if p.ignore_eos else list(st.eos_token_ids)
             ban = (ban + list(p.stop_token_ids))[:MAX_BANNED]
@@ -259,5 +280,6 @@ def prepare_inputs(
     return StepInputs(input_ids=input_ids, prev_rows=prev_rows, positions=positions, logits_indices=logits_indices,
                       num_rows=np.int32(r),
                       banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), token_bitmask=bitmask,
-                      use_bitmask=np.bool_(bool(grammars)), attn=attn,
+                      use_bitmask=np.bool_(bool(grammars)), bias_token_ids=bias_ids, bias_values=bias_values,
+                      use_bias=np.bool_(biased), attn=attn,
                       sampling=sampling)

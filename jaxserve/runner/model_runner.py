@@ -72,6 +72,8 @@ def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inp
     # Under min_tokens, EOS and stop tokens cannot be sampled.
     banned = jnp.where(inputs.banned_token_ids >= 0, inputs.banned_token_ids, vocab)      # [S, B]
     masked = logits.at[jnp.arange(num_seqs)[:, None], banned].set(-jnp.inf, mode="drop")
+    masked = lax.cond(inputs.use_bias, _add_logit_bias, lambda x, *_: x, masked, inputs.bias_token_ids,
+                      inputs.bias_values)
     masked = lax.cond(inputs.use_bitmask, _apply_bitmask, lambda x, _: x, masked, inputs.token_bitmask)
     token_ids = sample(masked, inputs.sampling).sampled_token_ids                         # [S]
 
@@ -99,6 +101,13 @@ def _step_from_leaves(graphdef, param_tree, max_logprobs: int, param_leaves, kv_
     (~2 ms a call for the default model, on the step's critical path)."""
     return step_fn(graphdef, max_logprobs, jax.tree.unflatten(param_tree, param_leaves), kv_caches, inputs,
                    prev_tokens, prompt)
+
+
+def _add_logit_bias(logits: jax.Array, token_ids: jax.Array, values: jax.Array) -> jax.Array:
+    """Each row's logit_bias [S, B] added to its logits (padding ids -1 are dropped); a banned token stays -inf."""
+    num_seqs, vocab = logits.shape
+    ids = jnp.where(token_ids >= 0, token_ids, vocab)
+    return logits.at[jnp.arange(num_seqs)[:, None], ids].add(values, mode="drop")
 
 
 def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

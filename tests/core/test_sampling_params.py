@@ -32,3 +32,23 @@ def test_invalid_values_name_the_field_and_value(field, value):
 def test_min_tokens_above_max_tokens_refused():
     with pytest.raises(ValueError, match="min_tokens=5.*max_tokens=3"):
         SamplingParams(min_tokens=5, max_tokens=3)
+
+
+@pytest.mark.parametrize("bias,rule", [
+    ({-1: 1.0}, "non-negative integer token ids"), ({"5": 1.0}, "non-negative integer token ids"),
+    ({True: 1.0}, "non-negative integer token ids"), ({5: 100.5}, r"biases in \[-100, 100\]"),
+    ({5: float("nan")}, r"biases in \[-100, 100\]"), ({5: float("-inf")}, r"biases in \[-100, 100\]"),
+    ({5: "1"}, r"biases in \[-100, 100\]"), ({t: 1.0 for t in range(301)}, "at most 300 tokens"),
+    ([(5, 1.0)], "dict of token id -> bias"),
+])
+def test_invalid_logit_bias_is_refused(bias, rule):
+    with pytest.raises(ValueError, match="logit_bias.*" + rule):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_copied_and_empty_means_none():
+    given = {5: -100, 7: 2.5}
+    p = SamplingParams(logit_bias=given)
+    given[9] = 1.0
+    assert p.logit_bias == {5: -100, 7: 2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None and SamplingParams().logit_bias is None

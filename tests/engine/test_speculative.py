@@ -36,7 +36,10 @@ def test_greedy_and_seeded_tokens_equal_plain_decoding_and_drafts_are_accepted(p
     ps = prompts(32, seed=0)
     before = spec.engine.stats()
     for params in (SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                   SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=5, ignore_eos=True)):
+                   SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
+                   # a bias on every row of the request: its last token's and each draft's
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                  logit_bias={3: 2.0, 5: -1.5, 11: 4})):
         assert token_ids(spec.generate(ps, params, use_tqdm=False)) == \
             token_ids(plain.generate(ps, params, use_tqdm=False))
     stats = spec.engine.stats()

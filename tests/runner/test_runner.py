@@ -36,10 +36,12 @@ def run(parts, requests):
     return out
 
 
-def hf_greedy(path, prompt, n):
+def hf_greedy(path, prompt, n, logit_bias=None):
+    """transformers' greedy tokens; `logit_bias` {token: bias} as its one-token sequence biases."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bias = {"sequence_bias": [[[t], b] for t, b in logit_bias.items()]} if logit_bias else {}
     ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
+                         pad_token_id=0, **bias)
     return ids[0, len(prompt):].tolist()
 
 
@@ -112,6 +114,28 @@ def test_logprobs_match_transformers(llama):
         assert lp.token_logprob == pytest.approx(row[tok], abs=1e-4)
         assert lp.top_token_ids == list(np.argsort(-row)[:5])
         np.testing.assert_allclose(lp.top_logprobs, np.sort(row)[::-1][:5], atol=1e-4)
+
+
+def test_logit_bias_matches_transformers_sequence_bias_beside_unbiased_requests(llama):
+    """A greedy request with a logit_bias (its first choice banned, a few tokens raised) gives
+    transformers' greedy tokens under the same biases, through a chunked prompt and beside unbiased
+    requests (which keep their own tokens) and a sampled one whose +100 token always wins."""
+    path, parts = llama
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(3, 500, size=40)]
+    plain = hf_greedy(path, prompt, 12)
+    bias = {plain[0]: -100.0, **{int(t): 3.5 for t in rng.integers(3, 500, size=6)}, int(plain[3]): -1.25}
+    others = [[int(t) for t in rng.integers(3, 500, size=int(n))] for n in (9, 30)]
+    reqs = [Request("biased", prompt, greedy(12, logit_bias=bias)),
+            Request("forced", others[0], SamplingParams(max_tokens=6, temperature=1.0, seed=5, logit_bias={77: 100})),
+            *(Request(f"plain{i}", p, greedy(12)) for i, p in enumerate(others))]
+    out = run(parts, reqs)
+    assert out["biased"] == hf_greedy(path, prompt, 12, logit_bias=bias)
+    assert out["biased"] != plain and plain[0] not in out["biased"]
+    assert out["forced"] == [77] * 6
+    for i, p in enumerate(others):
+        assert out[f"plain{i}"] == hf_greedy(path, p, 12)
+    assert parts.runner.compiles_after_warmup == 0
 
 
 def test_bfloat16_engine_follows_transformers_bfloat16(tiny_models):

@@ -210,6 +210,15 @@ def test_stop_token_id_is_the_stop_reason(real):
     assert complete.completion_tokens == greedy.index(stop) + 1 == len(joined(chunks[0])[0])
 
 
+def test_logit_bias_reaches_the_engine(real):
+    g, _ = real
+    ids = [7, 8, 9, 10]
+    greedy, _ = joined(collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True)))[0][0])
+    chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True,
+                                                   logit_bias={greedy[0]: -100, 33: 100})))
+    assert joined(chunks[0])[0] == [33] * 4 != greedy
+
+
 @pytest.fixture
 def slow_steps(real, monkeypatch):
     """The real engine's steps take 20 ms or more, so a 90-token request outlives a short deadline."""

@@ -190,7 +190,13 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "top_k": 10**10, "max_tokens": 2}, 200, None),           # keeps the whole vocab: no cut
     ({"prompt": "hi", "stop_token_ids": [2**32], "max_tokens": 2}, 400, None),
     ({"prompt": "hi", "n": 129}, 400, "n"),
-    ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 10, "0": -100}, "max_tokens": 2}, 200, None),
+    ({"prompt": "hi", "logit_bias": {"five": 10}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"-5": 10}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"4096": 1}}, 400, None),                           # past the vocabulary
+    ({"prompt": "hi", "logit_bias": {"5": "high"}}, 400, None),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy
 ])

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -98,3 +99,21 @@ def test_async_client_concurrent_streams(server):
         return results, single.choices[0].text
     results, single = asyncio.run(main())
     assert results[3] == single and all(results)
+
+
+def test_logit_bias_raises_bans_and_is_per_request(client, server):
+    """OpenAI's logit_bias through the official client: +100 makes a token every choice, -100 on each
+    of the greedy text's tokens changes the text, and a request without one keeps its own text."""
+    kw = dict(model="tiny", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": " cat", "add_special_tokens": False}).json()
+    word = tokenized["tokens"][0]
+    forced = httpx.post(f"{server.url}/detokenize", json={"tokens": [word] * 5}).json()["prompt"]
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logit_bias={str(word): 100},
+                                          **kw)
+    assert chat.choices[0].message.content == forced
+    plain = client.completions.create(prompt=[5, 6, 7], **kw).choices[0].text
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": plain, "add_special_tokens": False}).json()["tokens"]
+    banned = client.completions.create(prompt=[5, 6, 7], logit_bias={str(t): -100 for t in ids}, stream=True, **kw)
+    text = "".join(c.choices[0].text for c in banned)
+    assert text and text != plain
+    assert client.completions.create(prompt=[5, 6, 7], **kw).choices[0].text == plain

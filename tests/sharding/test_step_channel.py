@@ -31,7 +31,8 @@ FULL_PARAMS = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.25,
                              stop_token_ids=[2, 7], ignore_eos=True, max_tokens=None, min_tokens=3, logprobs=5,
                              prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
                              output_kind=RequestOutputKind.DELTA,
-                             structured_outputs=StructuredOutputsParams(choice=("yes", "no")))
+                             structured_outputs=StructuredOutputsParams(choice=("yes", "no")),
+                             logit_bias={7: -2.5, 11: 100.0})
 
 
 def replicas() -> list[SchedulerOutput]:
