@@ -1,8 +1,9 @@
-"""Injected faults: a request's output processing that raises, for one chosen request only."""
+"""Injected faults for chosen requests only: their output processing, or their grammar, raises."""
 
 from __future__ import annotations
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.structured_output import GrammarCompiler
 
 # A prompt that ends with these ids (the detokenizer keeps the prompt's last 5 ids as context)
 # has its output processing raise once it has `after` output tokens.
@@ -25,3 +26,40 @@ def raising_for_marked(update, after: int):
 
 def fail_marked_requests(monkeypatch, after: int = 3) -> None:
     monkeypatch.setattr(IncrementalDetokenizer, "update", raising_for_marked(IncrementalDetokenizer.update, after))
+
+
+# A request whose structured_outputs regex holds this text gets a matcher that raises.
+GRAMMAR_MARKER = "faulty"
+
+
+class _RaisingMatcher:
+    """A sequence's llguidance matcher that raises InjectedFault once it has taken `after` tokens:
+    filling the step's bitmask row (`where` "fill") or taking the next token ("consume")."""
+
+    def __init__(self, matcher, where: str, after: int) -> None:
+        self.matcher, self.where, self.after, self.taken = matcher, where, after, 0
+
+    def unsafe_compute_mask_ptr(self, *args):
+        if self.where == "fill" and self.taken >= self.after:
+            raise InjectedFault("injected fault filling the bitmask")
+        return self.matcher.unsafe_compute_mask_ptr(*args)
+
+    def consume_token(self, token_id):
+        if self.where == "consume" and self.taken >= self.after:
+            raise InjectedFault("injected fault taking a token")
+        self.taken += 1
+        return self.matcher.consume_token(token_id)
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+
+def fail_marked_grammars(monkeypatch, where: str, after: int = 3) -> None:
+    real = GrammarCompiler.grammar
+
+    def grammar(self, params):
+        g = real(self, params)
+        if params.regex is not None and GRAMMAR_MARKER in params.regex:
+            g.matcher = _RaisingMatcher(g.matcher, where, after)
+        return g
+    monkeypatch.setattr(GrammarCompiler, "grammar", grammar)

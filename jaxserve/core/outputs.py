@@ -81,13 +81,14 @@ class EngineCoreOutput:
     req_id: str                          # request id
     new_token_ids: list[int]             # tokens appended this step
     new_logprobs: list[Logprobs]         # one per new token when logprobs were asked for
-    finish_reason: str | None = None     # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None     # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None # the stop token id (or stop string, set by the engine)
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
     # prompt_logprobs: entries for the prompt tokens whose logprobs this step computed, in order
     # (token i >= 1 given tokens < i); over a request's outputs they add up to P - 1 entries for a
     # P-token prompt, never repeated after a preemption. None when there are none this step.
     new_prompt_logprobs: list[Logprobs] | None = None
+    error: Exception | None = None       # with finish_reason "error": what raised (the engine logs it)
 
     @property
     def finished(self) -> bool:

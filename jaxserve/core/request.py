@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()        # EOS or a stop token / stop string
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()        # aborted by the caller
+    FINISHED_ERROR = enum.auto()          # a fault of this request alone (its grammar raised): ended, with the error
 
     @property
     def is_finished(self) -> bool:
@@ -37,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -77,7 +79,8 @@ class Request:
         self.kv_load_pending = kv_transfer is not None and kv_transfer.role == "consume"
         self.wait_for = wait_for       # a sibling whose KV pull this request waits for (n > 1 on a consumer)
         # Structured output: the sequence's grammar matcher (jaxserve.engine.structured_output.Grammar,
-        # duck-typed: accept_token(id), is_terminated()), advanced with every token appended.
+        # duck-typed: accept_token(id), is_terminated(), error: what raised in it, or None), advanced with
+        # every token appended.
         self.grammar = None
         self.ngram_index = None        # speculative decoding's proposer state (jaxserve.core.speculative)
 

@@ -111,7 +111,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         kv = request.kv_transfer
-        if (kv is not None and kv.role == "produce" and request.status != RequestStatus.FINISHED_ABORTED
+        if (kv is not None and kv.role == "produce"
+                and request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
                 and request.num_computed_tokens >= request.num_prompt_tokens):
             # The blocks stay intact until the next step allocates: the engine gathers them first.
             n = min(request.num_prompt_tokens // self.config.block_size, len(request.block_hashes))
@@ -434,14 +435,22 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - accepted
                 self.spec_stats.record(len(drafts), accepted)
             new_ids = []
+            grammar = request.grammar
+            if grammar is not None and grammar.error is not None:
+                # Its bitmask could not be filled: the row sampled unconstrained, and its token is dropped.
+                request.status = RequestStatus.FINISHED_ERROR
+                token_ids = []
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
                 new_ids.append(token_id)
-                if request.grammar is not None:
-                    request.grammar.accept_token(token_id)
+                if grammar is not None:
+                    grammar.accept_token(token_id)
+                    if grammar.error is not None:    # the token kept (the mask allowed it); the request ends
+                        request.status = RequestStatus.FINISHED_ERROR
+                        break
                 if self._check_stop(request, token_id):
                     break
-                if request.grammar is not None and request.grammar.is_terminated():
+                if grammar is not None and grammar.is_terminated():
                     request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
                     break
             request.update_block_hashes(block_size)
@@ -452,7 +461,9 @@ class Scheduler:
                 self._free(request)
             outputs.append(EngineCoreOutput(req_id, new_ids, [lp] if (lp is not None and new_ids) else [],
                                             finish_reason, request.stop_reason,
-                                            max(request.num_cached_tokens, 0), new_prompt_lps or None))
+                                            max(request.num_cached_tokens, 0), new_prompt_lps or None,
+                                            grammar.error if request.status == RequestStatus.FINISHED_ERROR
+                                            else None))
         return outputs
 
     @staticmethod

@@ -349,7 +349,7 @@ class LLMEngine:
             self.num_generation_tokens_total += len(co.new_token_ids)
         processed, stopped, failed = self.output_processor.process(core_outputs, time.monotonic())
         self._finish_core(stopped, RequestStatus.FINISHED_STOPPED)   # stop strings end them here
-        if failed:   # requests whose output processing raised: they alone end, with an error
+        if failed:   # requests whose output processing or grammar raised: they alone end, with an error
             self._drop_kv_transfers(failed)
             self._finish_core(failed, RequestStatus.FINISHED_ABORTED)
         if self.exports is not None:

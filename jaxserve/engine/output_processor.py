@@ -32,6 +32,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
 
 logger = logging.getLogger(__name__)
+_OUTPUT_FAILED = "processing the request's output"
 
 
 @dataclasses.dataclass
@@ -119,7 +120,7 @@ class OutputProcessor:
         failed request's final output, with `error`, is among the outputs).
         """
         changed: dict[str, _RequestState] = {}
-        failed: dict[str, tuple[_RequestState, Exception]] = {}
+        failed: dict[str, tuple[_RequestState, Exception, str]] = {}
         stopped: list[str] = []
         for co in core_outputs:
             entry = self._by_core_id.get(co.req_id)
@@ -132,7 +133,10 @@ class OutputProcessor:
                 if self._apply(state, seq, co, now):
                     stopped.append(seq.core_id)
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
-                failed[state.request_id] = state, e
+                failed[state.request_id] = state, e, _OUTPUT_FAILED
+                continue
+            if co.error is not None:    # the scheduler ended the sequence: its grammar raised
+                failed[state.request_id] = state, co.error, "the request's structured output (its grammar)"
                 continue
             changed[state.request_id] = state
         outputs = []
@@ -142,27 +146,27 @@ class OutputProcessor:
             try:
                 out = self._output(state)
             except Exception as e:  # noqa: BLE001 - as above
-                failed[state.request_id] = state, e
+                failed[state.request_id] = state, e, _OUTPUT_FAILED
                 continue
             if state.finished:
                 self._forget(state, now)
             if out is not None:
                 outputs.append(out)
         failed_ids = []
-        for state, error in failed.values():
-            outputs.append(self._fail(state, error, now))
+        for state, error, what in failed.values():
+            outputs.append(self._fail(state, error, what, now))
             failed_ids += [seq.core_id for seq in state.seqs]
         if failed_ids:
             gone = set(failed_ids)
             stopped = [core_id for core_id in stopped if core_id not in gone]
         return outputs, stopped, failed_ids
 
-    def _fail(self, state: _RequestState, error: Exception, now: float) -> RequestOutput:
-        """End a request whose output processing raised; its final output says so and carries what
-        it had (whole, or what was not yet handed out for DELTA), read without calling into the
-        detokenizer again."""
-        logger.error("processing the output of request %s failed; that request ends with an error",
-                     state.request_id, exc_info=error)
+    def _fail(self, state: _RequestState, error: Exception, what: str, now: float) -> RequestOutput:
+        """End a request whose output processing (or grammar: `what` says) raised; its final output says
+        so and carries what it had (whole, or what was not yet handed out for DELTA), read without
+        calling into the detokenizer again."""
+        logger.error("%s failed in request %s; that request ends with an error", what, state.request_id,
+                     exc_info=error)
         for seq in state.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
@@ -185,8 +189,7 @@ class OutputProcessor:
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=True,
                              num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
                              prompt_logprobs=prompt_logprobs,
-                             error=f"processing the request's output failed ({type(error).__name__}; details "
-                                   f"in the log)")
+                             error=f"{what} failed ({type(error).__name__}; details in the log)")
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         """Finish a request as aborted; returns its last output (None if unknown or nothing is due)."""

@@ -7,7 +7,9 @@ the engine thread (AsyncEngine compiles on a worker thread before queueing a req
 Each sequence then gets a `Grammar`: a copy of the cached matcher that the scheduler
 advances with every accepted token (jaxserve.core.scheduler) and that fills its row of
 the step's allowed-token bitmask ([sequences, ceil(vocab / 32)] int32, bit j of word i =
-token 32 i + j) before the step samples.
+token 32 i + j) before the step samples. A matcher that raises (filling its row or taking a
+token) keeps the exception as `error` instead of raising into the step: the scheduler then
+ends that request alone with finish_reason "error", and the engine goes on.
 """
 
 from __future__ import annotations
@@ -31,23 +33,35 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 class Grammar:
-    """One sequence's matcher. Duck-typed by the scheduler: accept_token / is_terminated."""
+    """One sequence's matcher. Duck-typed by the scheduler: accept_token / is_terminated / error."""
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
+        self.error: Exception | None = None   # what the matcher raised; it is not called again
 
     def accept_token(self, token_id: int) -> None:
         # A token outside the mask cannot be sampled; one that still fails (the grammar ended and
         # the request ignores EOS) leaves the matcher stopped, which ends the request.
-        self.matcher.consume_token(token_id)
+        if self.error is None:
+            try:
+                self.matcher.consume_token(token_id)
+            except Exception as e:  # noqa: BLE001 - one sequence's fault ends its request only
+                self.error = e
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.error is not None or self.matcher.is_stopped() or self.matcher.is_error()
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Its row of the step's bitmask; after a fault the row allows every token (its token is dropped)."""
         import llguidance.numpy
 
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.error is None:
+            try:
+                llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+                return
+            except Exception as e:  # noqa: BLE001 - as above
+                self.error = e
+        bitmask[row] = -1
 
 
 class GrammarCompiler:

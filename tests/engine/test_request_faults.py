@@ -3,11 +3,14 @@ tokens unchanged) and later ones carry on, and the failed request's blocks are f
 
 import asyncio
 
+import pytest
+
 from jaxserve import SamplingParams
+from jaxserve.core import StructuredOutputsParams
 from jaxserve.core import EngineCoreOutput, Logprobs
 from jaxserve.engine.async_engine import AsyncEngine, RequestFailedError
 from jaxserve.engine.output_processor import OutputProcessor
-from tests.faults import MARKER, fail_marked_requests
+from tests.faults import GRAMMAR_MARKER, MARKER, fail_marked_grammars, fail_marked_requests
 
 from .test_output_processor import tok  # noqa: F401 - the tiny model's tokenizer fixture
 
@@ -128,3 +131,53 @@ def test_a_failure_building_the_output_is_isolated_too(tok, monkeypatch):  # noq
     outs, _, failed = proc.process([EngineCoreOutput("0_bad", [70], []), EngineCoreOutput("0_good", [71], [])], 1.0)
     assert failed == ["0_bad"]
     assert {o.request_id: o.error is None for o in outs} == {"bad": False, "good": True}
+
+
+@pytest.mark.parametrize("where", ["fill", "consume"])
+def test_a_grammar_that_raises_fails_its_request_alone(tiny_engine, monkeypatch, where):
+    """A matcher raising while the step's bitmask is filled (its unconstrained token is dropped) or
+    while it takes a token (that token, which the mask allowed, is kept) ends its request with an
+    error; a constrained and a free request beside it get their tokens, and the engine goes on."""
+    engine = tiny_engine
+    regex = StructuredOutputsParams(regex="[a-z ]{8,40}")
+    kinds = {"marked": SamplingParams(max_tokens=12, temperature=0.0, n=2, structured_outputs=StructuredOutputsParams(
+                 regex=f"({GRAMMAR_MARKER})?[a-z ]{{8,40}}")),
+             "constrained": SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=regex),
+             "free": PARAMS}
+    alone = {}
+    for name in ("constrained", "free"):
+        engine.add_request(f"alone-{name}", [3, 4, 5, 6], kinds[name])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                alone[name] = out
+    free = engine.stats()["kv_free_blocks"]
+    fail_marked_grammars(monkeypatch, where, after=3)
+    finals = {}
+    for name, params in kinds.items():
+        engine.add_request(name, [3, 4, 5, 6], params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    bad = finals["marked"]
+    assert "InjectedFault" in bad.error and "structured output" in bad.error
+    assert [c.finish_reason for c in bad.outputs] == ["error", "error"]
+    # Both siblings' matchers raise at their fourth token, in one step; the first one processed ends
+    # the request, and the other's token of that step is not handed out.
+    assert sorted(len(c.token_ids) for c in bad.outputs) == ([3, 3] if where == "fill" else [3, 4])
+    for name in ("constrained", "free"):
+        assert finals[name].error is None
+        assert finals[name].outputs[0].token_ids == alone[name].outputs[0].token_ids
+    assert engine.stats()["kv_free_blocks"] == free
+    assert engine.stats()["num_running"] == 0 and engine.stats()["num_waiting"] == 0
+    engine.add_request("after", [3, 4, 5, 6], kinds["marked"].clone(n=1))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+    assert last.error is not None and engine.stats()["kv_free_blocks"] == free   # the fault is still injected
+    monkeypatch.undo()
+    engine.add_request("later", [3, 4, 5, 6], kinds["marked"].clone(n=1))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+    assert last.error is None and last.outputs[0].finish_reason in ("stop", "length")

@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.engine.async_engine import AsyncEngine
 
-from tests.faults import MARKER, fail_marked_requests
+from tests.faults import GRAMMAR_MARKER, MARKER, fail_marked_grammars, fail_marked_requests
 
 from .conftest import RunningServer, metric
 
@@ -114,13 +114,18 @@ def test_fifty_streams_cut_mid_generation_leave_the_pool_as_full_as_before(serve
     assert metric(server.url, "jaxserve:kv_cache_free_blocks") == free_before
 
 
-def test_a_request_that_fails_alone_is_500_and_the_server_keeps_serving(server, monkeypatch):
-    """Processing one request's output raises (an injected fault): that request gets a 500 (or,
-    streamed, an error event and [DONE]), while a request running beside it and later ones are
-    served, and the pool is as full as before."""
-    fail_marked_requests(monkeypatch, after=3)
+@pytest.mark.parametrize("fault", ["output", "grammar"])
+def test_a_request_that_fails_alone_is_500_and_the_server_keeps_serving(server, monkeypatch, fault):
+    """Processing one request's output, or its grammar, raises (an injected fault): that request gets
+    a 500 (or, streamed, an error event and [DONE]), while a request running beside it and later
+    ones are served, and the pool is as full as before."""
+    if fault == "output":
+        fail_marked_requests(monkeypatch, after=3)
+        bad = {"prompt": [9] * 10 + MARKER, "max_tokens": 40, "ignore_eos": True}
+    else:
+        fail_marked_grammars(monkeypatch, "fill", after=3)
+        bad = {"prompt": [9] * 10, "max_tokens": 40, "structured_outputs": {"regex": f"({GRAMMAR_MARKER})?[a-z ]{{8,60}}"}}
     free_before = metric(server.url, "jaxserve:kv_cache_free_blocks")
-    bad = {"prompt": [9] * 10 + MARKER, "max_tokens": 40, "ignore_eos": True}
     good = {"prompt": [3, 4, 5], "max_tokens": 40, "ignore_eos": True}
 
     async def streamed(client, body):
