@@ -124,7 +124,8 @@ def test_a_request_that_fails_alone_is_500_and_the_server_keeps_serving(server, 
         bad = {"prompt": [9] * 10 + MARKER, "max_tokens": 40, "ignore_eos": True}
     else:
         fail_marked_grammars(monkeypatch, "fill", after=3)
-        bad = {"prompt": [9] * 10, "max_tokens": 40, "structured_outputs": {"regex": f"({GRAMMAR_MARKER})?[a-z ]{{8,60}}"}}
+        bad = {"prompt": [9] * 10, "max_tokens": 40,
+               "structured_outputs": {"regex": f"({GRAMMAR_MARKER})?[a-z ]{{8,60}}"}}
     free_before = metric(server.url, "jaxserve:kv_cache_free_blocks")
     good = {"prompt": [3, 4, 5], "max_tokens": 40, "ignore_eos": True}
 
