@@ -440,6 +440,8 @@ def row_bad_bodies(model: str) -> dict:
         "10k stop strings": json.dumps({"prompt": "x", "stop": ["s"] * 10_000}).encode(),
         "1 MB stop string": json.dumps({"prompt": "x", "stop": "s" * 1_000_000}).encode(),
         "100k stop token ids": json.dumps({"prompt": "x", "stop_token_ids": [1] * 100_000}).encode(),
+        "100k logit_bias tokens": json.dumps({"prompt": "x",
+                                              "logit_bias": {str(t): 1 for t in range(100_000)}}).encode(),
         "100k prompts": json.dumps({"prompt": ["a"] * 100_000}).encode(),
     }
     statuses = {}
