@@ -131,6 +131,7 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     prompt_logprobs: int | None = None    # vLLM: logprobs of every prompt token (top-N each)
     logit_bias: dict[str, float] | None = None      # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None      # vLLM's: only these tokens may be sampled
     # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # vLLM: json, json_object, regex, choice, grammar
@@ -192,7 +193,8 @@ class _SamplingFields(BaseModel):
                                   prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else
                                   self.prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-                                  structured_outputs=structured, logit_bias=bias, **kw)
+                                  structured_outputs=structured, logit_bias=bias,
+                                  allowed_token_ids=self.allowed_token_ids, **kw)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
 

@@ -88,11 +88,16 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each output carries
     structured_outputs: StructuredOutputsParams | None = None       # constrain the text (JSON, regex, ...)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled (None: every token)
 
     def __post_init__(self) -> None:
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
                "must be a dict of token id -> bias")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0,
+                   "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids (or None)")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -139,6 +144,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                    "must hold non-negative integers")
+        for t in self.allowed_token_ids or ():
+            _check(_is_int(t) and t >= 0, "allowed_token_ids", f"[... {t!r} ...]", "must hold non-negative integers")
         if self.logit_bias:
             _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} tokens>",
                    f"may bias at most {MAX_LOGIT_BIAS} tokens")

@@ -234,6 +234,9 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.allowed_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab})")
         if params.min_tokens and len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > MAX_BANNED:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED - len(self.tokenizer.eos_token_ids)} "
                              f"stop_token_ids are supported, got {len(params.stop_token_ids)}")

@@ -34,6 +34,7 @@ class RequestState:
     seed: int
     eos_token_ids: tuple[int, ...] = ()
     pending_row: int = -1                # while token_ids ends with PENDING: its row in the step sampling it
+    allowed_mask: np.ndarray | None = None   # [ceil(V / 32)] int32 of allowed_token_ids, made on first use
 
     @property
     def num_output_tokens(self) -> int:
@@ -84,6 +85,14 @@ def _zeros(rows: int, cols: int) -> np.ndarray:
     a = np.zeros((rows, cols), np.float32)
     a.flags.writeable = False
     return a
+
+
+def token_mask(token_ids, width: int) -> np.ndarray:
+    """[width] int32 with bit j of word i set for each token 32 i + j in `token_ids` (the bitmask's layout)."""
+    ids = np.asarray(token_ids, np.int64)
+    words = np.zeros(width, np.uint32)
+    np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
@@ -215,7 +224,7 @@ def prepare_inputs(
     want_logprobs = False
 
     t = r = 0
-    first_row = []
+    first_row, row_spans = [], []
     for i, (st, n) in enumerate(scheduled):
         start = st.num_computed_tokens
         end = start + n
@@ -236,6 +245,7 @@ def prepare_inputs(
         rows = slice(r, r + k + 1)
         logits_indices[rows] = np.arange(t + n - 1 - k, t + n, dtype=np.int32)
         first_row.append(r)
+        row_spans.append(rows)
         t += n
 
         p = st.sampling_params
@@ -262,11 +272,17 @@ def prepare_inputs(
     assert r <= R, (r, R)
     query_start_loc[len(scheduled) + 1:] = t
     width = -(-vocab_size // 32)
-    if grammars:      # constrained requests have no drafts either: one row each
+    allowed = [i for i, (st, _) in enumerate(scheduled) if st.sampling_params.allowed_token_ids]
+    if grammars or allowed:
         bitmask = np.full((R, width), -1, np.int32)
         for (st, _), row in zip(scheduled, first_row):
-            if st.req_id in grammars:
+            if grammars and st.req_id in grammars:   # constrained requests have no drafts: one row each
                 grammars[st.req_id].fill_bitmask(bitmask, row)
+        for i in allowed:   # every row of the request, drafts' too; with a grammar, both apply
+            st = scheduled[i][0]
+            if st.allowed_mask is None:
+                st.allowed_mask = token_mask(st.sampling_params.allowed_token_ids, width)
+            bitmask[row_spans[i]] &= st.allowed_mask
     else:   # the common case: one shared read-only array, never applied
         bitmask = _minus_ones(R, width)
 
@@ -280,6 +296,6 @@ def prepare_inputs(
     return StepInputs(input_ids=input_ids, prev_rows=prev_rows, positions=positions, logits_indices=logits_indices,
                       num_rows=np.int32(r),
                       banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), token_bitmask=bitmask,
-                      use_bitmask=np.bool_(bool(grammars)), bias_token_ids=bias_ids, bias_values=bias_values,
+                      use_bitmask=np.bool_(bool(grammars or allowed)), bias_token_ids=bias_ids, bias_values=bias_values,
                       use_bias=np.bool_(biased), attn=attn,
                       sampling=sampling)

@@ -46,6 +46,12 @@ def test_invalid_logit_bias_is_refused(bias, rule):
         SamplingParams(logit_bias=bias)
 
 
+@pytest.mark.parametrize("ids", [[], [-1], [3, 1.5], [True], "abc", 5])
+def test_invalid_allowed_token_ids_are_refused(ids):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=ids)
+
+
 def test_logit_bias_is_copied_and_empty_means_none():
     given = {5: -100, 7: 2.5}
     p = SamplingParams(logit_bias=given)

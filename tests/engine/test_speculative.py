@@ -39,7 +39,9 @@ def test_greedy_and_seeded_tokens_equal_plain_decoding_and_drafts_are_accepted(p
                    SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
                    # a bias on every row of the request: its last token's and each draft's
                    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                  logit_bias={3: 2.0, 5: -1.5, 11: 4})):
+                                  logit_bias={3: 2.0, 5: -1.5, 11: 4}),
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                  allowed_token_ids=list(range(3, 24)))):
         assert token_ids(spec.generate(ps, params, use_tqdm=False)) == \
             token_ids(plain.generate(ps, params, use_tqdm=False))
     stats = spec.engine.stats()

@@ -87,3 +87,16 @@ def test_a_bad_constraint_is_refused_naming_the_problem(llm, so, match):
 def test_structured_outputs_params_need_exactly_one_constraint(kw):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**kw)
+
+
+def test_allowed_token_ids_and_a_grammar_both_apply(llm):
+    """With a choice grammar and allowed_token_ids holding only "no"'s tokens and EOS, every sample is
+    "no" (a sample outside either mask would show); free of the allowed set, the choices vary."""
+    tok = llm.get_tokenizer()
+    allowed = tok.encode("no", add_special_tokens=False) + list(tok.eos_token_ids)
+    choice = StructuredOutputsParams(choice=CHOICES)
+    outs = llm.generate(["x"] * 12, [sampled(i, structured_outputs=choice, allowed_token_ids=allowed)
+                                     for i in range(12)], use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == ["no"] * 12
+    free = llm.generate(["x"] * 12, [sampled(i, structured_outputs=choice) for i in range(12)], use_tqdm=False)
+    assert len({o.outputs[0].text for o in free}) > 1

@@ -36,12 +36,15 @@ def run(parts, requests):
     return out
 
 
-def hf_greedy(path, prompt, n, logit_bias=None):
-    """transformers' greedy tokens; `logit_bias` {token: bias} as its one-token sequence biases."""
+def hf_greedy(path, prompt, n, logit_bias=None, allowed=None):
+    """transformers' greedy tokens; `logit_bias` {token: bias} as its one-token sequence biases,
+    `allowed` token ids as its prefix_allowed_tokens_fn."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    bias = {"sequence_bias": [[[t], b] for t, b in logit_bias.items()]} if logit_bias else {}
+    kw = {"sequence_bias": [[[t], b] for t, b in logit_bias.items()]} if logit_bias else {}
+    if allowed:
+        kw["prefix_allowed_tokens_fn"] = lambda batch_id, ids: list(allowed)
     ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, **bias)
+                         pad_token_id=0, **kw)
     return ids[0, len(prompt):].tolist()
 
 
@@ -135,6 +138,25 @@ def test_logit_bias_matches_transformers_sequence_bias_beside_unbiased_requests(
     assert out["forced"] == [77] * 6
     for i, p in enumerate(others):
         assert out[f"plain{i}"] == hf_greedy(path, p, 12)
+    assert parts.runner.compiles_after_warmup == 0
+
+
+def test_allowed_token_ids_match_transformers_prefix_allowed_tokens_fn(llama):
+    """Only the allowed tokens are sampled: greedy tokens equal transformers' with the same allowed
+    set, through a chunked prompt, beside a free request (its own tokens) and a sampled one."""
+    path, parts = llama
+    rng = np.random.default_rng(4)
+    prompt = [int(t) for t in rng.integers(3, 500, size=40)]
+    allowed = sorted({int(t) for t in rng.integers(3, 500, size=24)})
+    other = [int(t) for t in rng.integers(3, 500, size=20)]
+    out = run(parts, [Request("allowed", prompt, greedy(12, allowed_token_ids=allowed)),
+                      Request("sampled", other, SamplingParams(max_tokens=16, temperature=1.5, seed=9,
+                                                               allowed_token_ids=allowed[:3])),
+                      Request("free", other, greedy(12))])
+    assert out["allowed"] == hf_greedy(path, prompt, 12, allowed=allowed)
+    assert out["allowed"] != hf_greedy(path, prompt, 12)
+    assert set(out["sampled"]) <= set(allowed[:3]) and len(set(out["sampled"])) > 1
+    assert out["free"] == hf_greedy(path, other, 12)
     assert parts.runner.compiles_after_warmup == 0
 
 

@@ -210,13 +210,16 @@ def test_stop_token_id_is_the_stop_reason(real):
     assert complete.completion_tokens == greedy.index(stop) + 1 == len(joined(chunks[0])[0])
 
 
-def test_logit_bias_reaches_the_engine(real):
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(real):
     g, _ = real
     ids = [7, 8, 9, 10]
     greedy, _ = joined(collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True)))[0][0])
     chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True,
                                                    logit_bias={greedy[0]: -100, 33: 100})))
     assert joined(chunks[0])[0] == [33] * 4 != greedy
+    chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
+                                                   allowed_token_ids=[40, 41])))
+    assert set(joined(chunks[0])[0]) <= {40, 41}
 
 
 @pytest.fixture

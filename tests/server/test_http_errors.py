@@ -203,6 +203,10 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"4096": 1}}, 400, None),                           # past the vocabulary
     ({"prompt": "hi", "logit_bias": {"5": "high"}}, 400, None),
+    ({"prompt": "hi", "allowed_token_ids": [5, 6], "max_tokens": 2}, 200, None),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [-5]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [5, 4096]}, 400, None),                      # past the vocabulary
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy
 ])

@@ -32,7 +32,7 @@ FULL_PARAMS = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.25,
                              prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
                              output_kind=RequestOutputKind.DELTA,
                              structured_outputs=StructuredOutputsParams(choice=("yes", "no")),
-                             logit_bias={7: -2.5, 11: 100.0})
+                             logit_bias={7: -2.5, 11: 100.0}, allowed_token_ids=[3, 7, 11, 40])
 
 
 def replicas() -> list[SchedulerOutput]:
