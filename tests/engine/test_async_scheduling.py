@@ -64,6 +64,8 @@ def test_mixed_requests_get_the_outputs_of_steps_run_one_by_one(llm, overlapped)
         SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at]),     # stops mid-way
         SamplingParams(max_tokens=6, temperature=0.0, min_tokens=5, stop_token_ids=[stop_at]),
         SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={5: 3.0, 9: -100}),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True, allowed_token_ids=[5, 9, 13, 21]),
     ]
     params = [kinds[i % len(kinds)] for i in range(len(ps))]
     params[1] = kinds[5]                         # the prompt whose 4th greedy token is the stop token
