@@ -132,6 +132,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = None    # vLLM: logprobs of every prompt token (top-N each)
     logit_bias: dict[str, float] | None = None      # OpenAI's: token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None      # vLLM's: only these tokens may be sampled
+    bad_words: list[str] | None = None              # vLLM's: words never generated
     # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # vLLM: json, json_object, regex, choice, grammar
@@ -194,7 +195,7 @@ class _SamplingFields(BaseModel):
                                   self.prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
                                   structured_outputs=structured, logit_bias=bias,
-                                  allowed_token_ids=self.allowed_token_ids, **kw)
+                                  allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, **kw)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split("=", 1)[0]) from e
 

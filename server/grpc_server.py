@@ -92,6 +92,8 @@ def completion_body(request: pb.GenerateRequest, prompt: list[int] | None) -> di
         body["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.allowed_token_ids:
         body["allowed_token_ids"] = list(sp.allowed_token_ids)
+    if sp.bad_words:
+        body["bad_words"] = list(sp.bad_words)
     if sp.logit_bias:
         body["logit_bias"] = {str(token): _float(bias) for token, bias in sp.logit_bias.items()}
     if request.HasField("cache_salt"):

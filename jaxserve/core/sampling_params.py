@@ -13,6 +13,7 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as in vLLM
 MAX_LOGIT_BIAS = 300   # tokens one request may bias (OpenAI's limit; the step carries this many per row)
+MAX_BAD_WORDS = 128    # bad words (or token sequences) of one request
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -89,11 +90,23 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None       # constrain the text (JSON, regex, ...)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled (None: every token)
+    bad_words: list[str] | None = None          # words never generated (vLLM's; as tokens with and without a space)
+    # Token sequences never generated: a sequence's last token is banned where the output ends with the
+    # rest. The engine fills it from bad_words; it may also be given directly.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
                "must be a dict of token id -> bias")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)), "bad_words", self.bad_words, "must be a list of strings")
+            self.bad_words = list(self.bad_words) or None
+        if self.bad_words_token_ids is not None:
+            _check(isinstance(self.bad_words_token_ids, (list, tuple))
+                   and all(isinstance(w, (list, tuple)) for w in self.bad_words_token_ids),
+                   "bad_words_token_ids", self.bad_words_token_ids, "must be a list of token id lists")
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids] or None
         if self.allowed_token_ids is not None:
             _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0,
                    "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids (or None)")
@@ -144,6 +157,15 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                    "must hold non-negative integers")
+        for w in self.bad_words or ():
+            _check(isinstance(w, str) and w.strip() != "", "bad_words", self.bad_words, "must hold non-blank strings")
+        _check(len(self.bad_words or ()) <= MAX_BAD_WORDS, "bad_words", f"<{len(self.bad_words or ())} words>",
+               f"may hold at most {MAX_BAD_WORDS} words")
+        _check(len(self.bad_words_token_ids or ()) <= 2 * MAX_BAD_WORDS, "bad_words_token_ids",
+               f"<{len(self.bad_words_token_ids or ())} sequences>", f"may hold at most {2 * MAX_BAD_WORDS} sequences")
+        for w in self.bad_words_token_ids or ():
+            _check(len(w) > 0 and all(_is_int(t) and t >= 0 for t in w), "bad_words_token_ids", w,
+                   "must hold non-empty lists of non-negative token ids")
         for t in self.allowed_token_ids or ():
             _check(_is_int(t) and t >= 0, "allowed_token_ids", f"[... {t!r} ...]", "must hold non-negative integers")
         if self.logit_bias:
@@ -161,6 +183,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """Presence, frequency or repetition penalty on: sampling reads the tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Sampling reads the tokens generated so far on the host (penalties, a bad word of two
+        tokens or more): steps run one by one and there are no drafts while such a request runs."""
+        return self.uses_penalties or any(len(w) > 1 for w in self.bad_words_token_ids or ())
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

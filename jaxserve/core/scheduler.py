@@ -285,7 +285,7 @@ class Scheduler:
         max_tokens leave (every draft accepted still leaves room for the bonus token)."""
         p = request.sampling_params
         if (request.num_tokens - request.num_computed_tokens != 1 or request.grammar is not None
-                or p.logprobs is not None or p.uses_penalties or request.num_output_tokens < p.min_tokens):
+                or p.logprobs is not None or p.reads_output_tokens or request.num_output_tokens < p.min_tokens):
             return []   # these sample with state a draft would change: they decode plainly
         limit = min(budget - 1, self.config.max_model_len - request.num_tokens - 1)
         if p.max_tokens is not None:

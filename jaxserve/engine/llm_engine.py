@@ -147,6 +147,9 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=(params.bad_words_token_ids or [])
+                                  + bad_words_token_ids(params.bad_words, self.tokenizer))
         params = self._check_params(params, vocab)
         if priority != 0 and self.scheduler.config.policy != "priority":
             raise ValueError(f"priority={priority} needs --scheduling-policy priority (the engine runs "
@@ -237,6 +240,9 @@ class LLMEngine:
         bad = [t for t in params.allowed_token_ids or () if t >= vocab]
         if bad:
             raise ValueError(f"allowed_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab]
+        if bad:
+            raise ValueError(f"bad_words_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab})")
         if params.min_tokens and len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > MAX_BANNED:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED - len(self.tokenizer.eos_token_ids)} "
                              f"stop_token_ids are supported, got {len(params.stop_token_ids)}")
@@ -294,7 +300,8 @@ class LLMEngine:
         stops on a token (EOS, a stop token or string) then has one more token computed and
         dropped. Steps run one by one (the next one is scheduled after this one's update) while a
         running request needs its last token on the host first: a grammar's bitmask, penalties'
-        counts, n-gram drafts; and with data parallelism, several processes or a KV role.
+        counts, bad words of two tokens or more, n-gram drafts; and with data parallelism, several
+        processes or a KV role.
         """
         outputs = self._land_kv_pulls(self.kv_connector.done()) if self.kv_connector is not None else []
         launched, self._in_flight = self._in_flight, None
@@ -367,7 +374,7 @@ class LLMEngine:
         scheduler = self.scheduler
         if scheduler.config.speculative is not None or not scheduler.has_unfinished_requests():
             return False
-        return not any(r.grammar is not None or r.sampling_params.uses_penalties for r in scheduler.running)
+        return not any(r.grammar is not None or r.sampling_params.reads_output_tokens for r in scheduler.running)
 
     def _drain(self) -> None:
         """Collect a step still in flight whose requests have all ended (its tokens are dropped)."""
@@ -556,6 +563,21 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
         }
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """The token sequences of bad words, as vLLM forms them: each word as it starts a text, and with
+    a space before it when that tokenizes to as many tokens with another first one."""
+    seqs = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            continue
+        seqs.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            seqs.append(spaced)
+    return seqs
 
 
 def _sampling_grammars(scheduler, so) -> dict | None:

@@ -95,6 +95,21 @@ def token_mask(token_ids, width: int) -> np.ndarray:
     return words.view(np.int32)
 
 
+def bad_word_bans(st: RequestState) -> list[int]:
+    """The tokens a request's bad words ban at its next token: each sequence's last token, where the
+    output so far ends with the rest of it (always, for a one-token word), as vLLM does."""
+    bans, output = [], None
+    for word in st.sampling_params.bad_words_token_ids:
+        if len(word) > 1:
+            if output is None:
+                assert st.token_ids[-1] != PENDING, f"request {st.req_id} needs its last token on the host (bad words)"
+                output = st.token_ids[st.num_prompt_tokens:]
+            if len(output) < len(word) - 1 or output[len(output) - len(word) + 1:] != word[:-1]:
+                continue
+        bans.append(word[-1])
+    return bans
+
+
 def token_buckets(max_num_batched_tokens: int, smallest: int = 1) -> list[int]:
     """Power-of-two token counts up to the budget (the budget itself always included)."""
     buckets, b = [], smallest
@@ -273,7 +288,8 @@ def prepare_inputs(
     query_start_loc[len(scheduled) + 1:] = t
     width = -(-vocab_size // 32)
     allowed = [i for i, (st, _) in enumerate(scheduled) if st.sampling_params.allowed_token_ids]
-    if grammars or allowed:
+    worded = [i for i, (st, _) in enumerate(scheduled) if st.sampling_params.bad_words_token_ids]
+    if grammars or allowed or worded:
         bitmask = np.full((R, width), -1, np.int32)
         for (st, _), row in zip(scheduled, first_row):
             if grammars and st.req_id in grammars:   # constrained requests have no drafts: one row each
@@ -283,6 +299,9 @@ def prepare_inputs(
             if st.allowed_mask is None:
                 st.allowed_mask = token_mask(st.sampling_params.allowed_token_ids, width)
             bitmask[row_spans[i]] &= st.allowed_mask
+        for i in worded:    # a request with a bad word of 2+ tokens has no drafts: it reads its output
+            st = scheduled[i][0]
+            bitmask[row_spans[i]] &= ~token_mask(bad_word_bans(st), width)
     else:   # the common case: one shared read-only array, never applied
         bitmask = _minus_ones(R, width)
 
@@ -294,8 +313,7 @@ def prepare_inputs(
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, sample_index=sample_index,
         output_token_ids=output_ids, prompt_token_ids=prompt_ids)
     return StepInputs(input_ids=input_ids, prev_rows=prev_rows, positions=positions, logits_indices=logits_indices,
-                      num_rows=np.int32(r),
-                      banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs), token_bitmask=bitmask,
-                      use_bitmask=np.bool_(bool(grammars or allowed)), bias_token_ids=bias_ids, bias_values=bias_values,
-                      use_bias=np.bool_(biased), attn=attn,
+                      num_rows=np.int32(r), banned_token_ids=banned, want_logprobs=np.bool_(want_logprobs),
+                      token_bitmask=bitmask, use_bitmask=np.bool_(bool(grammars or allowed or worded)),
+                      bias_token_ids=bias_ids, bias_values=bias_values, use_bias=np.bool_(biased), attn=attn,
                       sampling=sampling)

@@ -52,6 +52,21 @@ def test_invalid_allowed_token_ids_are_refused(ids):
         SamplingParams(allowed_token_ids=ids)
 
 
+@pytest.mark.parametrize("kw", [dict(bad_words=[""]), dict(bad_words=["  "]), dict(bad_words=[3]),
+                                dict(bad_words="word"), dict(bad_words=["w"] * 129), dict(bad_words_token_ids=[[]]),
+                                dict(bad_words_token_ids=[[-1]]), dict(bad_words_token_ids=[5]),
+                                dict(bad_words_token_ids=[[1]] * 257)])
+def test_invalid_bad_words_are_refused(kw):
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(**kw)
+
+
+def test_bad_words_of_two_tokens_or_more_read_the_output():
+    assert not SamplingParams(bad_words_token_ids=[[5], [6]]).reads_output_tokens
+    assert SamplingParams(bad_words_token_ids=[[5], [6, 7]]).reads_output_tokens
+    assert SamplingParams(presence_penalty=0.5).reads_output_tokens
+
+
 def test_logit_bias_is_copied_and_empty_means_none():
     given = {5: -100, 7: 2.5}
     p = SamplingParams(logit_bias=given)

@@ -66,6 +66,7 @@ def test_mixed_requests_get_the_outputs_of_steps_run_one_by_one(llm, overlapped)
         SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={5: 3.0, 9: -100}),
         SamplingParams(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True, allowed_token_ids=[5, 9, 13, 21]),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words_token_ids=[[5], [9]]),
     ]
     params = [kinds[i % len(kinds)] for i in range(len(ps))]
     params[1] = kinds[5]                         # the prompt whose 4th greedy token is the stop token
@@ -111,13 +112,15 @@ def test_one_sequence_at_a_time_overlaps_every_decode(llm, overlapped):
     assert overlapped["overlapped"] - before == 29
 
 
-def test_grammars_and_penalties_run_their_steps_one_by_one_beside_plain_requests(llm, overlapped):
+def test_grammars_penalties_and_bad_words_run_their_steps_one_by_one_beside_plain_requests(llm, overlapped):
     ps = prompts(12, seed=6, longest=40)
     choice = StructuredOutputsParams(choice=["red", "green", "blue"])
     params = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True) for i in range(12)]
     params[3] = SamplingParams(max_tokens=12, temperature=1.0, seed=1, structured_outputs=choice)
     params[7] = SamplingParams(max_tokens=16, temperature=1.0, seed=2, presence_penalty=1.5,
                                repetition_penalty=1.3, ignore_eos=True)
+    params[9] = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True,
+                               bad_words_token_ids=[[5], [9, 13], [40, 41, 42]])
     sync = generate(llm, False, ps, params)
     assert summary(generate(llm, True, ps, params)) == summary(sync)
     assert sync[3].outputs[0].text in ("red", "green", "blue")

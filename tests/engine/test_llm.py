@@ -156,3 +156,20 @@ def test_kv_pool_smaller_than_the_context_is_refused(tiny_models):
 def test_options_not_built_yet_fail_loudly(tiny_models, option, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_models["llama"]), **option)
+
+
+def test_bad_words_are_never_generated(llm):
+    """bad_words as vLLM takes them: the words of the free greedy text's first tokens, tokenized
+    alone and after a space; no sequence of them occurs in the output, which changes."""
+    from jaxserve.engine.llm_engine import bad_words_token_ids
+
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["once upon"], greedy, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    words = sorted({tok.decode([t]).strip() for t in free.token_ids[:10]} - {""})
+    seqs = bad_words_token_ids(words, tok)
+    assert [free.token_ids[0]] in seqs and any(len(s) > 1 for s in seqs)
+    out = llm.generate(["once upon"], greedy.clone(bad_words=words), use_tqdm=False)[0].outputs[0]
+    ids = out.token_ids
+    assert len(ids) == 30 and ids != free.token_ids
+    assert not any(ids[i:i + len(s)] == s for s in seqs for i in range(len(ids)))

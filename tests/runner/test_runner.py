@@ -36,13 +36,15 @@ def run(parts, requests):
     return out
 
 
-def hf_greedy(path, prompt, n, logit_bias=None, allowed=None):
+def hf_greedy(path, prompt, n, logit_bias=None, allowed=None, bad_words_ids=None):
     """transformers' greedy tokens; `logit_bias` {token: bias} as its one-token sequence biases,
-    `allowed` token ids as its prefix_allowed_tokens_fn."""
+    `allowed` token ids as its prefix_allowed_tokens_fn, `bad_words_ids` as its own."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     kw = {"sequence_bias": [[[t], b] for t, b in logit_bias.items()]} if logit_bias else {}
     if allowed:
         kw["prefix_allowed_tokens_fn"] = lambda batch_id, ids: list(allowed)
+    if bad_words_ids:
+        kw["bad_words_ids"] = bad_words_ids
     ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          pad_token_id=0, **kw)
     return ids[0, len(prompt):].tolist()
@@ -157,6 +159,27 @@ def test_allowed_token_ids_match_transformers_prefix_allowed_tokens_fn(llama):
     assert out["allowed"] != hf_greedy(path, prompt, 12)
     assert set(out["sampled"]) <= set(allowed[:3]) and len(set(out["sampled"])) > 1
     assert out["free"] == hf_greedy(path, other, 12)
+    assert parts.runner.compiles_after_warmup == 0
+
+
+def test_bad_words_match_transformers_bad_words_ids(llama):
+    """A one-token bad word is never sampled; a two-token one bans its second token right after its
+    first. Greedy tokens equal transformers' with the same bad_words_ids (whose prefix is not the
+    prompt's last token: transformers matches over the prompt too, vLLM and we over the output)."""
+    path, parts = llama
+    rng = np.random.default_rng(6)
+    prompt = [int(t) for t in rng.integers(3, 500, size=40)]
+    plain = hf_greedy(path, prompt, 16)
+    one = [[plain[1]]]
+    once = hf_greedy(path, prompt, 16, bad_words_ids=one)
+    pair = [once[5], once[6]]
+    assert pair[0] != prompt[-1]
+    want = hf_greedy(path, prompt, 16, bad_words_ids=one + [pair])
+    assert want[:6] == once[:6] and want[6] != once[6]      # the pair's ban changed the 7th token
+    out = run(parts, [Request("worded", prompt, greedy(16, bad_words_token_ids=one + [pair])),
+                      Request("free", prompt[:20], greedy(8))])
+    assert out["worded"] == want
+    assert out["free"] == hf_greedy(path, prompt[:20], 8)
     assert parts.runner.compiles_after_warmup == 0
 
 

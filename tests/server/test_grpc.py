@@ -220,6 +220,9 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(real):
     chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
                                                    allowed_token_ids=[40, 41])))
     assert set(joined(chunks[0])[0]) <= {40, 41}
+    chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True,
+                                                   bad_words=[g.engine.tokenizer.decode([greedy[0]]).strip()])))
+    assert greedy[0] not in joined(chunks[0])[0]
 
 
 @pytest.fixture

@@ -207,6 +207,9 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [-5]}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [5, 4096]}, 400, None),                      # past the vocabulary
+    ({"prompt": "hi", "bad_words": ["the", " cat"], "max_tokens": 2}, 200, None),
+    ({"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
+    ({"prompt": "hi", "bad_words": ["w"] * 129}, 400, "bad_words"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy
 ])

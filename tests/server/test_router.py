@@ -245,7 +245,8 @@ def test_prefill_then_decode_with_the_params_each_leg_needs(router, fakes):
     before = path_count(router, "disaggregated")
     r = router.client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=5, temperature=0.7, seed=11,
                                          top_p=0.9, stop=["zz"], logprobs=2, logit_bias={"5": -3.5},
-                                         extra_body={"min_tokens": 2, "allowed_token_ids": [5, 9]})
+                                         extra_body={"min_tokens": 2, "allowed_token_ids": [5, 9],
+                                                     "bad_words": ["zz"]})
     ids = TOK.encode(LONG_PROMPT)
     assert [role for role, _ in log] == ["producer", "consumer"]
     p, c = producer.last, consumer.last
@@ -255,7 +256,7 @@ def test_prefill_then_decode_with_the_params_each_leg_needs(router, fakes):
     assert ps.seed == cs.seed == 11 and ps.temperature == cs.temperature == pytest.approx(0.7)
     assert ps.top_p == pytest.approx(0.9)
     assert (cs.max_tokens, cs.n, cs.min_tokens, list(cs.stop), cs.logprobs) == (5, 1, 2, ["zz"], 2)
-    assert dict(cs.logit_bias) == {5: -3.5} and list(cs.allowed_token_ids) == [5, 9]
+    assert dict(cs.logit_bias) == {5: -3.5} and list(cs.allowed_token_ids) == [5, 9] and list(cs.bad_words) == ["zz"]
     assert p.kv_transfer_params.role == pb.KV_ROLE_PRODUCE and p.kv_transfer_params.transfer_id
     kv = c.kv_transfer_params
     assert kv.role == pb.KV_ROLE_CONSUME and kv.transfer_id == p.kv_transfer_params.transfer_id
