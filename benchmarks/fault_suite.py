@@ -28,7 +28,8 @@ folder): these rows test the server, not the model. Usage:
 `--fault-serve MODE` is internal: it runs `jaxserve serve` with a step that raises
 (MODE=raise) or hangs (MODE=hang) once the file named by $JAXSERVE_FAULT_TRIGGER exists, or
 (MODE=request) a detokenizer that raises at the third token of a prompt ending with
-tests/faults.py's MARKER.
+tests/faults.py's MARKER, and a grammar whose regex holds its GRAMMAR_MARKER that raises
+filling the fourth token's bitmask row.
 """
 
 from __future__ import annotations
@@ -310,17 +311,22 @@ def row_step_fault(model: str, mode: str) -> dict:
 
 
 def row_request_fault(model: str, num: int, seed: int) -> dict:
-    """`num` clients at once, a third of them marked; streamed or not, n 1 or 2."""
+    """`num` clients at once, a third of them marked (half of those in their output processing, half
+    in their grammar); streamed or not, n 1 or 2."""
     _tests_importable()
-    from tests.faults import MARKER
+    from tests.faults import GRAMMAR_MARKER, MARKER
 
     rng = random.Random(seed)
-    plans = [dict(marked=i % 3 == 0, stream=rng.random() < 0.5, n=rng.choice([1, 2])) for i in range(num)]
+    plans = [dict(marked=i % 3 == 0, fault="output" if i % 6 == 0 else "grammar", stream=rng.random() < 0.5,
+                  n=rng.choice([1, 2])) for i in range(num)]
     with Server(model, fault="request") as server:
         async def one(client, i, plan):
             ids = [rng.randrange(3, 200) for _ in range(rng.randrange(4, 30))]
-            body = {"prompt": ids + MARKER if plan["marked"] else ids, "max_tokens": 40, "ignore_eos": True,
-                    "n": plan["n"], "stream": plan["stream"]}
+            body = {"prompt": ids, "max_tokens": 40, "ignore_eos": True, "n": plan["n"], "stream": plan["stream"]}
+            if plan["marked"] and plan["fault"] == "output":
+                body["prompt"] = ids + MARKER
+            elif plan["marked"]:
+                body["structured_outputs"] = {"regex": f"({GRAMMAR_MARKER})?[a-z ]{{60,80}}"}
             if plan["stream"]:
                 body["stream_options"] = {"include_usage": True}
             if not plan["stream"]:
@@ -357,7 +363,10 @@ def row_request_fault(model: str, num: int, seed: int) -> dict:
     marked = sum(p["marked"] for p in plans)
     as_expected_marked = sum(ok for ok, p in zip(results, plans) if p["marked"])
     as_expected_other = sum(ok for ok, p in zip(results, plans) if not p["marked"])
+    by_fault = {f: sum(ok for ok, p in zip(results, plans) if p["marked"] and p["fault"] == f)
+                for f in ("output", "grammar")}
     return {"clients": num, "marked": marked, "marked_failed_alone": as_expected_marked,
+            "failed_alone_by_fault": by_fault,
             "others_served_whole": as_expected_other, "health_after": health, "request_after": after,
             "seconds": round(seconds, 1), "idle": idle,
             "ok": all(results) and health == 200 and after == 200 and not any(idle.values())}
@@ -505,16 +514,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def fault_serve(mode: str, serve_args: list[str]) -> int:
     """`jaxserve serve` whose next step raises (or hangs) once $JAXSERVE_FAULT_TRIGGER exists, or
-    (mode "request") whose output processing raises for prompts that end with tests/faults.py's MARKER."""
+    (mode "request") whose output processing raises for prompts that end with tests/faults.py's MARKER
+    and whose grammar raises for a regex that holds its GRAMMAR_MARKER."""
     from jaxserve.cli import main as cli_main
     from jaxserve.engine.detokenizer import IncrementalDetokenizer
+    from jaxserve.engine.structured_output import GrammarCompiler
     from jaxserve.runner.model_runner import ModelRunner
 
     if mode == "request":
         _tests_importable()
-        from tests.faults import raising_for_marked
+        from tests.faults import raising_for_marked, raising_grammar_for_marked
 
         IncrementalDetokenizer.update = raising_for_marked(IncrementalDetokenizer.update, after=3)
+        GrammarCompiler.grammar = raising_grammar_for_marked(GrammarCompiler.grammar, "fill", after=3)
         return cli_main(["serve", *serve_args])
     trigger = Path(os.environ["JAXSERVE_FAULT_TRIGGER"])
     real_launch = ModelRunner.launch

@@ -54,12 +54,16 @@ class _RaisingMatcher:
         return getattr(self.matcher, name)
 
 
-def fail_marked_grammars(monkeypatch, where: str, after: int = 3) -> None:
-    real = GrammarCompiler.grammar
-
-    def grammar(self, params):
-        g = real(self, params)
+def raising_grammar_for_marked(grammar, where: str, after: int):
+    """GrammarCompiler.grammar, giving a marked regex's sequences a matcher that raises (the fault
+    suite's server patches the class with it too)."""
+    def patched(self, params):
+        g = grammar(self, params)
         if params.regex is not None and GRAMMAR_MARKER in params.regex:
             g.matcher = _RaisingMatcher(g.matcher, where, after)
         return g
-    monkeypatch.setattr(GrammarCompiler, "grammar", grammar)
+    return patched
+
+
+def fail_marked_grammars(monkeypatch, where: str, after: int = 3) -> None:
+    monkeypatch.setattr(GrammarCompiler, "grammar", raising_grammar_for_marked(GrammarCompiler.grammar, where, after))

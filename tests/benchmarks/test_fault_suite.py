@@ -19,3 +19,4 @@ def test_every_fault_suite_row_passes_shortened(tiny_models, tmp_path):
     assert rows["pool"]["preemptions"] > 0           # the pool really ran out
     assert rows["step-failure"]["exit_code"] == 1 and rows["hung-step"]["exit_code"] == 1
     assert rows["request-failure"]["marked_failed_alone"] == rows["request-failure"]["marked"] == 8
+    assert rows["request-failure"]["failed_alone_by_fault"] == {"output": 4, "grammar": 4}
