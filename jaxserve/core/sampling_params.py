@@ -166,8 +166,10 @@ class SamplingParams:
         for w in self.bad_words_token_ids or ():
             _check(len(w) > 0 and all(_is_int(t) and t >= 0 for t in w), "bad_words_token_ids", w,
                    "must hold non-empty lists of non-negative token ids")
-        for t in self.allowed_token_ids or ():
-            _check(_is_int(t) and t >= 0, "allowed_token_ids", f"[... {t!r} ...]", "must hold non-negative integers")
+        ids = self.allowed_token_ids or ()    # up to the whole vocabulary: checked in two C-speed passes
+        if ids and not (all(type(t) is int for t in ids) and min(ids) >= 0):
+            for t in ids:
+                _check(_is_int(t) and t >= 0, "allowed_token_ids", f"[... {t!r} ...]", "must hold non-negative integers")
         if self.logit_bias:
             _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} tokens>",
                    f"may bias at most {MAX_LOGIT_BIAS} tokens")
