@@ -87,13 +87,16 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `continue_final_message` (with add_generation_prompt=False): continue the last message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = [{"prompt_token_ids": tok.encode(
             tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
                                     **(chat_template_kwargs or {})), add_special_tokens=False)}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -247,6 +247,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False     # vLLM's: the model continues the last message (no end of turn)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -310,9 +311,14 @@ class ChatCompletionRequest(_SamplingFields):
     def render(self, tokenizer) -> str:
         """The prompt text the chat template renders (what /tokenize with these fields counts)."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError("continue_final_message needs add_generation_prompt=false (continuing the last "
+                               "message and opening a new one are two different prompts)",
+                               param="continue_final_message")
         try:
             return tokenizer.apply_chat_template(self.chat_messages(), add_generation_prompt=self.add_generation_prompt,
-                                                 tools=self.tools, **kwargs)
+                                                 tools=self.tools, continue_final_message=self.continue_final_message,
+                                                 **kwargs)
         except RequestError:
             raise
         except (ValueError, TypeError) as e:   # TypeError: chat_template_kwargs clashing with the template's

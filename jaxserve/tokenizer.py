@@ -179,10 +179,19 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """The prompt text for `messages`, rendered with the model's chat template."""
+        """The prompt text for `messages`, rendered with the model's chat template.
+
+        `continue_final_message`: the text ends where the last message's content does (no end of
+        turn after it), so that the model continues that message, as transformers cuts it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: continuing "
+                             "the last message and opening a new one are two different prompts")
         chat = _validate_messages(messages)
+        if continue_final_message:
+            chat = _tag_final_message(chat)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
             raise ValueError("tools must be a list of JSON-schema dicts")
         try:
@@ -190,7 +199,7 @@ class Tokenizer:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"this model's chat template is not valid jinja: {e}") from e
         try:
-            return template.render(
+            text = template.render(
                 messages=chat,
                 tools=tools,
                 documents=kwargs.pop("documents", None),
@@ -199,3 +208,39 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the chat template rejected these messages: {e}") from e
+        return _cut_at_tag(text) if continue_final_message else text
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`chat` with a tag after the final message's text (its content, or its last text part), where
+    the rendered text is cut for continue_final_message (transformers' way)."""
+    if not chat:
+        raise ValueError("continue_final_message needs a message to continue")
+    final = dict(chat[-1])
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG
+    elif isinstance(content, (list, tuple)):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        at = next((i for i in reversed(range(len(parts))) if isinstance(parts[i], Mapping) and "text" in parts[i]),
+                  None)
+        if at is None:
+            raise ValueError("continue_final_message is set, but the final message has no text to continue")
+        parts[at]["text"] = str(parts[at]["text"]) + _CONTINUE_TAG
+        final["content"] = parts
+    else:
+        raise ValueError("continue_final_message is set, but the final message has no content to continue")
+    return [*chat[:-1], final]
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered chat up to the tag: where the template kept the tag's trailing space, exactly
+    there; where it trimmed the end of the message, with the whitespace before the tag trimmed too."""
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("continue_final_message is set, but the chat template does not render the final "
+                         "message's content as it is")
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()

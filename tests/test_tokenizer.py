@@ -170,6 +170,34 @@ def test_chat_template_with_tools_and_kwargs_matches_transformers(tok, reference
     assert ours.endswith(f"Today is {datetime.now().year}.\n")
 
 
+KEEPS_SPACING = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}</{{ m['role'] }}>"
+                 "{% endfor %}")
+PARTS = [{"type": "text", "text": "a"}, {"type": "text", "text": "Sure,\n"}, {"type": "image_url", "image_url": {}}]
+
+
+@pytest.mark.parametrize("template,final,end", [
+    ("trims", "Sure, the", "\nSure, the"), ("trims", "  Sure, the  ", "\nSure, the"),
+    ("keeps spacing", "Sure, the", "<assistant>Sure, the"), ("keeps spacing", "  Sure, the  ", ">  Sure, the  "),
+    ("keeps spacing", PARTS, "<assistant>aSure,\n"),
+])
+def test_continue_final_message_matches_transformers(tmp_path, template, final, end):
+    """The text ends where the final message does (no end of turn): transformers' cut, whether the
+    template trims the message (the whitespace before the cut goes) or keeps it, and after the
+    last text part of a list."""
+    from transformers import AutoTokenizer
+
+    folder = _write_model(tmp_path / "m", chat_template=TEMPLATE if template == "trims" else KEEPS_SPACING)
+    ours = Tokenizer.from_checkpoint(load_checkpoint(folder))
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": final}]
+    got = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    want = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert got == want and got.endswith(end), (got, want)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
 def test_generation_tag_renders_its_body(tmp_path):
     folder = _write_model(tmp_path / "gen", chat_template=GENERATION_TEMPLATE)
     tok = Tokenizer.from_checkpoint(load_checkpoint(folder))

@@ -173,3 +173,15 @@ def test_bad_words_are_never_generated(llm):
     ids = out.token_ids
     assert len(ids) == 30 and ids != free.token_ids
     assert not any(ids[i:i + len(s)] == s for s in seqs for i in range(len(ids)))
+
+
+def test_chat_continues_the_final_message(llm):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, the"}]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    (out,) = llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    (closed,) = llm.chat(messages, params, add_generation_prompt=False, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False).endswith("Well, the")
+    assert len(closed.prompt_token_ids) > len(out.prompt_token_ids)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        llm.chat(messages, params, continue_final_message=True, use_tqdm=False)

@@ -61,3 +61,20 @@ def test_tokenize_chat_renders_what_chat_renders(client, server):
         assert t["count"] == r["usage"]["prompt_tokens"], extra
     bad = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "nonsense": 1})
     assert bad.status_code == 400
+
+
+def test_continue_final_message_renders_the_last_message_open(client, server):
+    """vLLM's continue_final_message: the prompt ends with the last message's text (no end of turn),
+    in /tokenize and in chat alike; with add_generation_prompt left on it is a 400 naming it."""
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "The answer is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    t = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **extra}).json()
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]}).json()["prompt"]
+    assert text.endswith("The answer is")
+    closed = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert closed["count"] > t["count"]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, extra_body=extra)
+    assert r.usage.prompt_tokens == t["count"]
+    bad = httpx.post(f"{server.url}/v1/chat/completions",
+                     json={"model": "tiny", "messages": messages, "continue_final_message": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
