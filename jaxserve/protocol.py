@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jaxserve.core import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxserve.core.sampling_params import truncated_length
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.tool_parsers import ToolParser, finish_reason, forced_tool_parser, forced_tool_schema
 
@@ -133,6 +134,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None      # OpenAI's: token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None      # vLLM's: only these tokens may be sampled
     bad_words: list[str] | None = None              # vLLM's: words never generated
+    truncate_prompt_tokens: int | None = None       # vLLM's: keep the prompt's last k tokens (-1: the context)
     # OpenAI fields accepted so clients that send them get a precise answer, not "extra input".
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # vLLM: json, json_object, regex, choice, grammar
@@ -557,10 +559,16 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model
                 pairs.append((None, p))
             else:
                 raise RequestError("prompt must be a string, a list of strings or token ids", param="prompt")
+    try:
+        keep = truncated_length(req.truncate_prompt_tokens, max_model_len)
+    except ValueError as e:
+        raise RequestError(str(e), param="truncate_prompt_tokens") from e
     items = []
     for text, ids in pairs:
         if not ids:
             raise RequestError("prompt must not be empty", param="prompt")
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[-keep:]     # the text no longer matches: echo decodes the ids kept
         params = req.sampling_params(len(ids), max_model_len)
         if isinstance(req, ChatCompletionRequest) and req.parses_tool_calls(tool_parser):
             # Some models' tool-call tags are special tokens: keep them in the text (as vLLM does).

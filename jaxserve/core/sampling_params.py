@@ -94,6 +94,7 @@ class SamplingParams:
     # Token sequences never generated: a sequence's last token is banned where the output ends with the
     # rest. The engine fills it from bad_words; it may also be given directly.
     bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (-1: max_model_len)
 
     def __post_init__(self) -> None:
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
@@ -137,6 +138,7 @@ class SamplingParams:
                "must be -1 or 0 (disabled) or a positive integer")
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _check_truncate(self.truncate_prompt_tokens)     # the context length is the engine's to check
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1 or None")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
@@ -194,6 +196,21 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def truncated_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all of them)."""
+    if truncate_prompt_tokens is None:
+        return None
+    _check_truncate(truncate_prompt_tokens)
+    _check(truncate_prompt_tokens <= max_model_len, "truncate_prompt_tokens", truncate_prompt_tokens,
+           f"must be at most the model's context length ({max_model_len})")
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
+def _check_truncate(value: Any) -> None:
+    _check(value is None or (_is_int(value) and (value >= 1 or value == -1)), "truncate_prompt_tokens", value,
+           "must be an integer >= 1, or -1 (the model's context length), or None")
 
 
 def _is_int(value: Any) -> bool:

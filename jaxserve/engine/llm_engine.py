@@ -45,6 +45,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.routing import route
 from jaxserve.engine.weights import checked_update, flat_params
 from jaxserve.outputs import RequestOutput
+from jaxserve.core.sampling_params import truncated_length
 from jaxserve.runner.inputs import MAX_BANNED
 from sharding import replicate_kv_heads
 from sharding.distributed import STOP, StepChannel
@@ -143,6 +144,9 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        keep = truncated_length(params.truncate_prompt_tokens, self.max_model_len)
+        if keep is not None and len(token_ids) > keep:
+            text, token_ids = None, token_ids[-keep:]
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

@@ -185,3 +185,15 @@ def test_chat_continues_the_final_message(llm):
     assert len(closed.prompt_token_ids) > len(out.prompt_token_ids)
     with pytest.raises(ValueError, match="cannot both be set"):
         llm.chat(messages, params, continue_final_message=True, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 500, size=40)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cut, whole, short = llm.generate([prompt, prompt, prompt[-10:]],
+                                     [greedy.clone(truncate_prompt_tokens=10), greedy.clone(truncate_prompt_tokens=-1),
+                                      greedy], use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == short.outputs[0].token_ids
+    assert whole.prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="at most the model's context length"):
+        llm.generate([prompt], greedy.clone(truncate_prompt_tokens=llm.engine.max_model_len + 1), use_tqdm=False)

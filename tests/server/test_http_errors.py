@@ -209,6 +209,8 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "allowed_token_ids": [5, 4096]}, 400, None),                      # past the vocabulary
     ({"prompt": "hi", "bad_words": ["the", " cat"], "max_tokens": 2}, 200, None),
     ({"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),    # past max_model_len
     ({"prompt": "hi", "bad_words": ["w"] * 129}, 400, "bad_words"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy

@@ -117,3 +117,15 @@ def test_logit_bias_raises_bans_and_is_per_request(client, server):
     text = "".join(c.choices[0].text for c in banned)
     assert text and text != plain
     assert client.completions.create(prompt=[5, 6, 7], **kw).choices[0].text == plain
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_echo_shows_them(client, server):
+    ids = list(range(40, 70))
+    kw = dict(model="tiny", max_tokens=4, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=ids, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                           "truncate_prompt_tokens": 5}})
+    short = client.completions.create(prompt=ids[-5:], **kw)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == short.choices[0].text
+    text = client.completions.create(prompt="the cat sat on the mat", **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 2}})
+    assert text.usage.prompt_tokens == 2 and not text.choices[0].text.startswith("the cat")

@@ -33,7 +33,7 @@ FULL_PARAMS = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.25,
                              output_kind=RequestOutputKind.DELTA,
                              structured_outputs=StructuredOutputsParams(choice=("yes", "no")),
                              logit_bias={7: -2.5, 11: 100.0}, allowed_token_ids=[3, 7, 11, 40], bad_words=["no"],
-                             bad_words_token_ids=[[5], [9, 12]])
+                             bad_words_token_ids=[[5], [9, 12]], truncate_prompt_tokens=64)
 
 
 def replicas() -> list[SchedulerOutput]:
