@@ -171,7 +171,8 @@ class SamplingParams:
         ids = self.allowed_token_ids or ()    # up to the whole vocabulary: checked in two C-speed passes
         if ids and not (all(type(t) is int for t in ids) and min(ids) >= 0):
             for t in ids:
-                _check(_is_int(t) and t >= 0, "allowed_token_ids", f"[... {t!r} ...]", "must hold non-negative integers")
+                _check(_is_int(t) and t >= 0, "allowed_token_ids", f"[... {t!r} ...]",
+                       "must hold non-negative integers")
         if self.logit_bias:
             _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} tokens>",
                    f"may bias at most {MAX_LOGIT_BIAS} tokens")
