@@ -151,7 +151,7 @@ class _SamplingFields(BaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):    # int() refuses 4,300+ digits
                 raise RequestError(f"invalid key in logit_bias: {key!r}; the keys are token ids (non-negative "
                                    "integers)", param="logit_bias")
             bias[int(key)] = value

@@ -34,7 +34,8 @@ GRAMMAR_MARKER = "faulty"
 
 class _RaisingMatcher:
     """A sequence's llguidance matcher that raises InjectedFault once it has taken `after` tokens:
-    filling the step's bitmask row (`where` "fill") or taking the next token ("consume")."""
+    filling the step's bitmask row (`where` "fill"), taking the next token ("consume") or saying
+    whether it has stopped ("stopped")."""
 
     def __init__(self, matcher, where: str, after: int) -> None:
         self.matcher, self.where, self.after, self.taken = matcher, where, after, 0
@@ -43,6 +44,11 @@ class _RaisingMatcher:
         if self.where == "fill" and self.taken >= self.after:
             raise InjectedFault("injected fault filling the bitmask")
         return self.matcher.unsafe_compute_mask_ptr(*args)
+
+    def is_stopped(self):
+        if self.where == "stopped" and self.taken >= self.after:
+            raise InjectedFault("injected fault asking whether the grammar stopped")
+        return self.matcher.is_stopped()
 
     def consume_token(self, token_id):
         if self.where == "consume" and self.taken >= self.after:

@@ -450,8 +450,9 @@ class Scheduler:
                         break
                 if self._check_stop(request, token_id):
                     break
-                if grammar is not None and grammar.is_terminated():
-                    request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
+                if grammar is not None and grammar.is_terminated():   # complete, or it raised asking
+                    request.status = RequestStatus.FINISHED_STOPPED if grammar.error is None else \
+                        RequestStatus.FINISHED_ERROR
                     break
             request.update_block_hashes(block_size)
             finish_reason = None

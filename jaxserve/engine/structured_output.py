@@ -49,7 +49,12 @@ class Grammar:
                 self.error = e
 
     def is_terminated(self) -> bool:
-        return self.error is not None or self.matcher.is_stopped() or self.matcher.is_error()
+        if self.error is None:
+            try:
+                return self.matcher.is_stopped() or self.matcher.is_error()
+            except Exception as e:  # noqa: BLE001 - as in accept_token
+                self.error = e
+        return True
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Its row of the step's bitmask; after a fault the row allows every token (its token is dropped)."""

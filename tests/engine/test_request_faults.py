@@ -133,11 +133,12 @@ def test_a_failure_building_the_output_is_isolated_too(tok, monkeypatch):  # noq
     assert {o.request_id: o.error is None for o in outs} == {"bad": False, "good": True}
 
 
-@pytest.mark.parametrize("where", ["fill", "consume"])
+@pytest.mark.parametrize("where", ["fill", "consume", "stopped"])
 def test_a_grammar_that_raises_fails_its_request_alone(tiny_engine, monkeypatch, where):
-    """A matcher raising while the step's bitmask is filled (its unconstrained token is dropped) or
-    while it takes a token (that token, which the mask allowed, is kept) ends its request with an
-    error; a constrained and a free request beside it get their tokens, and the engine goes on."""
+    """A matcher raising while the step's bitmask is filled (its unconstrained token is dropped), while
+    it takes a token or says whether it stopped (that token, which the mask allowed, is kept) ends its
+    request with an error; a constrained and a free request beside it get their tokens, and the
+    engine goes on."""
     engine = tiny_engine
     regex = StructuredOutputsParams(regex="[a-z ]{8,40}")
     kinds = {"marked": SamplingParams(max_tokens=12, temperature=0.0, n=2, structured_outputs=StructuredOutputsParams(
@@ -162,9 +163,11 @@ def test_a_grammar_that_raises_fails_its_request_alone(tiny_engine, monkeypatch,
     bad = finals["marked"]
     assert "InjectedFault" in bad.error and "structured output" in bad.error
     assert [c.finish_reason for c in bad.outputs] == ["error", "error"]
-    # Both siblings' matchers raise at their fourth token, in one step; the first one processed ends
-    # the request, and the other's token of that step is not handed out.
-    assert sorted(len(c.token_ids) for c in bad.outputs) == ([3, 3] if where == "fill" else [3, 4])
+    # Both siblings' matchers raise in one step: filling the fourth token's row (its token dropped),
+    # taking the fourth token or asking after the third (the token kept). The first sibling processed
+    # ends the request, and the other's token of that step is not handed out.
+    assert sorted(len(c.token_ids) for c in bad.outputs) == {"fill": [3, 3], "consume": [3, 4],
+                                                              "stopped": [2, 3]}[where]
     for name in ("constrained", "free"):
         assert finals[name].error is None
         assert finals[name].outputs[0].token_ids == alone[name].outputs[0].token_ids

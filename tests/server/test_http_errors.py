@@ -199,6 +199,7 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "logit_bias": {"5": 10, "0": -100}, "max_tokens": 2}, 200, None),
     ({"prompt": "hi", "logit_bias": {"five": 10}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"-5": 10}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"1" * 5000: 10}}, 400, "logit_bias"),               # past int()'s digits
     ({"prompt": "hi", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"4096": 1}}, 400, None),                           # past the vocabulary
