@@ -34,20 +34,22 @@ def token_ids(outs):
 
 def test_greedy_and_seeded_tokens_equal_plain_decoding_and_drafts_are_accepted(plain, spec):
     ps = prompts(32, seed=0)
-    before = spec.engine.stats()
+    # The controls apply on every row of a request: its last token's and each draft's.
     for params in (SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
                    SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
-                   # a bias on every row of the request: its last token's and each draft's
                    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                   logit_bias={3: 2.0, 5: -1.5, 11: 4}),
                    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                  allowed_token_ids=list(range(3, 24)))):
+                                  allowed_token_ids=list(range(3, 24))),
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                  bad_words_token_ids=[[3], [11], [17]])):
+        before = spec.engine.stats()
         assert token_ids(spec.generate(ps, params, use_tqdm=False)) == \
             token_ids(plain.generate(ps, params, use_tqdm=False))
-    stats = spec.engine.stats()
-    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    assert drafted > 100 and accepted > 20, (drafted, accepted)
+        stats = spec.engine.stats()
+        drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+        assert drafted > 30 and accepted > 0, (params, drafted, accepted)
     assert stats["compiles_after_warmup"] == 0
 
 

@@ -46,3 +46,38 @@ def test_mixed_step_by_hand():
     assert x.banned_token_ids[1, :2].tolist() == [2, 8] and (x.banned_token_ids[0] == -1).all()
     assert not bool(x.want_logprobs)
     assert x.input_ids.dtype == np.int32 and x.attn.block_tables.dtype == np.int32
+
+
+def _worded(output, words, prompt=(50, 51, 52)):
+    return RequestState("w", token_ids=[*prompt, *output], num_prompt_tokens=len(prompt), block_ids=[0],
+                        num_computed_tokens=len(prompt) + len(output) - 1,
+                        sampling_params=SamplingParams(bad_words_token_ids=words), seed=0)
+
+
+@pytest.mark.parametrize("output,bans", [
+    ([], [7]),                        # nothing generated: only the one-token word (the prompt never counts)
+    ([9], [7, 10]),                   # the output is exactly a word's prefix
+    ([3, 9], [7, 10]),
+    ([9, 4], [5, 7]),                 # [9, 4] is the three-token word's prefix
+    ([8, 9, 4], [5, 7]),
+    ([9, 5], [7]),
+    ([4], [7]),                       # the end of a prefix is not enough
+])
+def test_bad_word_bans_match_the_output_tail(output, bans):
+    from jaxserve.runner.inputs import bad_word_bans
+
+    words = [[7], [9, 10], [9, 4, 5]]
+    assert sorted(bad_word_bans(_worded(output, words))) == bans
+    # A prompt ending like a word's prefix bans nothing more (vLLM matches over the output only).
+    assert sorted(bad_word_bans(_worded(output, words, prompt=(50, 9, 4)))) == bans
+
+
+def test_bans_and_allowed_tokens_go_into_the_bitmask_rows():
+    allowed = RequestState("a", token_ids=[5, 6], num_prompt_tokens=2, block_ids=[0], num_computed_tokens=1,
+                           sampling_params=SamplingParams(allowed_token_ids=[3, 40, 63]), seed=0)
+    x = prepare_inputs([(allowed, 1), (_worded([9], [[7], [9, 40]]), 1)], num_tokens_bucket=16, max_num_seqs=4,
+                       max_blocks_per_seq=1, block_size=16, max_model_len=16, vocab_size=64)
+    bits = np.unpackbits(x.token_bitmask.view(np.uint8), axis=1, bitorder="little")[:, :64].astype(bool)
+    assert bool(x.use_bitmask)
+    assert np.flatnonzero(bits[0]).tolist() == [3, 40, 63]
+    assert np.flatnonzero(~bits[1]).tolist() == [7, 40] and bits[2:].all()
