@@ -14,6 +14,7 @@ from typing import Any
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as in vLLM
 MAX_LOGIT_BIAS = 300   # tokens one request may bias (OpenAI's limit; the step carries this many per row)
 MAX_BAD_WORDS = 128    # bad words (or token sequences) of one request
+MAX_BAD_WORD_CHARS = 256   # characters of one bad word
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -161,6 +162,8 @@ class SamplingParams:
                    "must hold non-negative integers")
         for w in self.bad_words or ():
             _check(isinstance(w, str) and w.strip() != "", "bad_words", self.bad_words, "must hold non-blank strings")
+            _check(len(w) <= MAX_BAD_WORD_CHARS, "bad_words", f"<a word of {len(w)} characters>",
+                   f"must hold words of at most {MAX_BAD_WORD_CHARS} characters")
         _check(len(self.bad_words or ()) <= MAX_BAD_WORDS, "bad_words", f"<{len(self.bad_words or ())} words>",
                f"may hold at most {MAX_BAD_WORDS} words")
         _check(len(self.bad_words_token_ids or ()) <= 2 * MAX_BAD_WORDS, "bad_words_token_ids",

@@ -27,7 +27,7 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core import SamplingParams
-from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.engine.llm_engine import LLMEngine, PromptType, bad_words_token_ids
 from jaxserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,10 @@ class AsyncEngine:
         if params.structured_outputs is not None and grammars is not None:
             # Compiled (and checked) on a worker thread: the engine thread finds it in the cache.
             await asyncio.to_thread(grammars.compile, params.structured_outputs)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if params.bad_words and tokenizer is not None:   # tokenized on a worker thread too
+            seqs = await asyncio.to_thread(bad_words_token_ids, params.bad_words, tokenizer)
+            params = params.clone(bad_words=None, bad_words_token_ids=(params.bad_words_token_ids or []) + seqs)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
         accepted = loop.create_future()

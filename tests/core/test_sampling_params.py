@@ -73,3 +73,9 @@ def test_logit_bias_is_copied_and_empty_means_none():
     given[9] = 1.0
     assert p.logit_bias == {5: -100, 7: 2.5}
     assert SamplingParams(logit_bias={}).logit_bias is None and SamplingParams().logit_bias is None
+
+
+def test_a_bad_word_of_more_than_256_characters_is_refused():
+    SamplingParams(bad_words=["w" * 256])
+    with pytest.raises(ValueError, match="at most 256 characters"):
+        SamplingParams(bad_words=["w" * 257])

@@ -107,3 +107,22 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_e
     assert not engine.is_healthy
     monkeypatch.undo()
     llm_engine.abort_all()
+
+
+def test_bad_words_are_tokenized_off_the_engine_thread(engine, llm_engine, monkeypatch):
+    import threading
+
+    from jaxserve.engine import async_engine
+
+    threads, real = [], async_engine.bad_words_token_ids
+
+    def recorded(words, tokenizer):
+        threads.append(threading.current_thread().name)
+        return real(words, tokenizer)
+    monkeypatch.setattr(async_engine, "bad_words_token_ids", recorded)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = asyncio.run(collect(engine, [4, 5, 6], greedy))[-1].outputs[0].token_ids
+    word = llm_engine.tokenizer.decode([free[0]]).strip()
+    out = asyncio.run(collect(engine, [4, 5, 6], greedy.clone(bad_words=[word])))[-1].outputs[0].token_ids
+    assert len(threads) == 1 and threads[0] != "jaxserve-engine"
+    assert free[0] not in out and len(out) == 8

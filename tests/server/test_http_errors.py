@@ -213,6 +213,7 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ({"prompt": "hi", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),    # past max_model_len
     ({"prompt": "hi", "bad_words": ["w"] * 129}, 400, "bad_words"),
+    ({"prompt": "hi", "bad_words": ["w" * 257]}, 400, "bad_words"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy
 ])
