@@ -210,8 +210,9 @@ class _Job:
             for eid in others:
                 del self.pending[eid]
             self.engine.abort_request(others)
-            self._refused(line.custom_id, line.request_id,
-                          RequestError(out.error, status=500, type="internal_error"))
+            status = out.error_status or 500
+            self._refused(line.custom_id, line.request_id, RequestError(
+                out.error, status=status, type="invalid_request_error" if status == 400 else "internal_error"))
             return
         line.outputs[out.request_id] = out
         if len(line.outputs) < len(line.items):

@@ -70,10 +70,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # A producer's finished request (kv role "produce"): the export a consumer pulls.
     kv_transfer_params: KVTransferParams | None = None
-    # Set on the final output of a request that failed on its own (processing its output raised):
-    # what went wrong, by type (the traceback is in the log). Its unfinished sequences end with
-    # finish_reason "error"; the engine and the other requests carry on.
+    # Set on the final output of a request that failed on its own (processing its output or its
+    # grammar raised: what went wrong, by type, the traceback in the log; or its constraints left no
+    # token to sample: why). Its unfinished sequences end with finish_reason "error"; the engine and
+    # the other requests carry on. `error_status`: 400 where the request itself was at fault, else 500.
     error: str | None = None
+    error_status: int | None = None
 
 
 def logprobs_dict(token_id: int, lp: Logprobs) -> dict[int, float]:

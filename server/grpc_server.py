@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.core import SamplingParams
 from jaxserve.core.kv_transfer import IncompatibleKVError, KVTransferParams, UnknownTransferError
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from jaxserve.engine.kv_connector import MAX_MESSAGE_BYTES      # the consumer's channels use the same limit
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.proto import jaxserve_pb2 as pb
@@ -189,6 +189,8 @@ def status_of(e: BaseException, request_id: str | None = None, *,
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(e)
+    if isinstance(e, RequestFailedError) and e.output.error_status == 400:
+        return grpc.StatusCode.INVALID_ARGUMENT, e.output.error
     if isinstance(e, ValueError) and not admitted:
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     return grpc.StatusCode.INTERNAL, str(internal_error(e, request_id))

@@ -49,6 +49,8 @@ def as_request_error(e: BaseException, request_id: str | None = None, *, admitte
     """
     if isinstance(e, RequestError):
         return e
+    if isinstance(e, RequestFailedError) and e.output.error_status == 400:   # its constraints left no token
+        return RequestError(e.output.error)
     if isinstance(e, (QueueFullError, EngineDeadError)):
         return RequestError(str(e), status=503, type="service_unavailable")
     if isinstance(e, ValueError) and not admitted:

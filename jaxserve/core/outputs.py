@@ -74,6 +74,14 @@ class ModelRunnerOutput:
     # Per request, when it asked for prompt_logprobs and this step computed prompt positions:
     # (index of the first prompt token covered, one entry per prompt token from there on).
     prompt_logprobs: list[tuple[int, list[Logprobs]] | None] | None = None
+    # Requests whose next token could not be sampled (NoTokenAllowedError): their row is dropped.
+    errors: dict[str, Exception] | None = None
+
+
+class NoTokenAllowedError(ValueError):
+    """A request's own constraints leave no token to sample next: allowed_token_ids, bad words, its
+    grammar and min_tokens' ban of EOS and stop tokens together allow none. It ends that request
+    (the client's fault: a 400 where it can still be one)."""
 
 
 @dataclasses.dataclass(slots=True)

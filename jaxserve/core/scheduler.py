@@ -436,8 +436,11 @@ class Scheduler:
                 self.spec_stats.record(len(drafts), accepted)
             new_ids = []
             grammar = request.grammar
-            if grammar is not None and grammar.error is not None:
-                # Its bitmask could not be filled: the row sampled unconstrained, and its token is dropped.
+            error = runner_output.errors.get(req_id) if runner_output.errors else None
+            if error is None and grammar is not None:
+                error = grammar.error
+            if error is not None:
+                # Its bitmask could not be filled, or allowed no token: the row's token is dropped.
                 request.status = RequestStatus.FINISHED_ERROR
                 token_ids = []
             for token_id in token_ids:
@@ -446,13 +449,13 @@ class Scheduler:
                 if grammar is not None:
                     grammar.accept_token(token_id)
                     if grammar.error is not None:    # the token kept (the mask allowed it); the request ends
-                        request.status = RequestStatus.FINISHED_ERROR
+                        request.status, error = RequestStatus.FINISHED_ERROR, grammar.error
                         break
                 if self._check_stop(request, token_id):
                     break
                 if grammar is not None and grammar.is_terminated():   # complete, or it raised asking
-                    request.status = RequestStatus.FINISHED_STOPPED if grammar.error is None else \
-                        RequestStatus.FINISHED_ERROR
+                    request.status, error = ((RequestStatus.FINISHED_STOPPED, None) if grammar.error is None else
+                                             (RequestStatus.FINISHED_ERROR, grammar.error))
                     break
             request.update_block_hashes(block_size)
             finish_reason = None
@@ -462,9 +465,7 @@ class Scheduler:
                 self._free(request)
             outputs.append(EngineCoreOutput(req_id, new_ids, [lp] if (lp is not None and new_ids) else [],
                                             finish_reason, request.stop_reason,
-                                            max(request.num_cached_tokens, 0), new_prompt_lps or None,
-                                            grammar.error if request.status == RequestStatus.FINISHED_ERROR
-                                            else None))
+                                            max(request.num_cached_tokens, 0), new_prompt_lps or None, error))
         return outputs
 
     @staticmethod

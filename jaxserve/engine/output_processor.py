@@ -27,7 +27,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from jaxserve.core import EngineCoreOutput, RequestOutputKind, SamplingParams
+from jaxserve.core import EngineCoreOutput, NoTokenAllowedError, RequestOutputKind, SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
 
@@ -135,7 +135,7 @@ class OutputProcessor:
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
                 failed[state.request_id] = state, e, _OUTPUT_FAILED
                 continue
-            if co.error is not None:    # the scheduler ended the sequence: its grammar raised
+            if co.error is not None:    # the scheduler ended the sequence: its grammar raised, or no token was left
                 failed[state.request_id] = state, co.error, "the request's structured output (its grammar)"
                 continue
             changed[state.request_id] = state
@@ -165,8 +165,13 @@ class OutputProcessor:
         """End a request whose output processing (or grammar: `what` says) raised; its final output says
         so and carries what it had (whole, or what was not yet handed out for DELTA), read without
         calling into the detokenizer again."""
-        logger.error("%s failed in request %s; that request ends with an error", what, state.request_id,
-                     exc_info=error)
+        if isinstance(error, NoTokenAllowedError):    # the request's own doing: its message says why
+            message, status = str(error), 400
+            logger.info("request %s ends: %s", state.request_id, error)
+        else:
+            message, status = f"{what} failed ({type(error).__name__}; details in the log)", 500
+            logger.error("%s failed in request %s; that request ends with an error", what, state.request_id,
+                         exc_info=error)
         for seq in state.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
@@ -189,7 +194,7 @@ class OutputProcessor:
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=True,
                              num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
                              prompt_logprobs=prompt_logprobs,
-                             error=f"{what} failed ({type(error).__name__}; details in the log)")
+                             error=message, error_status=status)
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         """Finish a request as aborted; returns its last output (None if unknown or nothing is due)."""

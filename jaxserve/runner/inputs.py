@@ -95,6 +95,18 @@ def token_mask(token_ids, width: int) -> np.ndarray:
     return words.view(np.int32)
 
 
+def rows_without_a_token(bitmask: np.ndarray, banned: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[R] bool: the rows whose bitmask, less their min_tokens bans (`banned` [R, B], -1 padding),
+    allows no token of the vocabulary (sampling such a row would pick an arbitrary token)."""
+    words = bitmask.view(np.uint32).copy()
+    rows, cols = np.nonzero(banned >= 0)
+    ids = banned[rows, cols].astype(np.int64)
+    np.bitwise_and.at(words, (rows, ids >> 5), ~np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    if vocab_size % 32:
+        words[:, vocab_size // 32] &= np.uint32((1 << vocab_size % 32) - 1)
+    return ~words[:, :-(-vocab_size // 32)].any(axis=1)
+
+
 def bad_word_bans(st: RequestState) -> list[int]:
     """The tokens a request's bad words ban at its next token: each sequence's last token, where the
     output so far ends with the rest of it (always, for a one-token word), as vLLM does."""

@@ -37,12 +37,12 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxserve.core import Logprobs, ModelRunnerOutput, SchedulerOutput
+from jaxserve.core import Logprobs, ModelRunnerOutput, NoTokenAllowedError, SchedulerOutput
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.layers import Proj, contracted_size, log_softmax, pack_for_tiles, pack_kernel, unpack_kernel
 from jaxserve.runner.inputs import (PENDING, PromptLogprobsInputs, RequestState, StepInputs, first_buckets,
                                     later_buckets, num_prompt_logprob_positions, num_seqs_for_bucket, pick_bucket,
-                                    prepare_inputs, prepare_prompt_logprobs, token_buckets)
+                                    prepare_inputs, prepare_prompt_logprobs, rows_without_a_token, token_buckets)
 from jaxserve.runner.sampler import fast_top_k, sample
 from kernels_pallas import kv_pool_dtype, native_cpu
 from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
@@ -50,6 +50,8 @@ from sharding import kv_cache_sharding, make_mesh, replicated, shard_params
 logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROBS_ROWS = 256   # positions per chunk of prompt logits: peak memory rows x vocab x 4 bytes
+_NO_TOKEN = ("no token can be sampled next: the request's allowed_token_ids, bad words, structured output and "
+             "min_tokens (which bans EOS and the stop tokens) together allow none")
 
 
 def step_fn(graphdef, max_logprobs: int, params, kv_caches: list[jax.Array], inputs: StepInputs,
@@ -572,7 +574,11 @@ class ModelRunner:
                 st.token_ids.append(PENDING)
                 st.pending_row = row
             row += 1 + len(req_drafts)
-        return _Launched(scheduled, outs, sampling, spans)
+        errors = {}
+        if inputs.use_bitmask:   # a row its constraints leave no token in would sample an arbitrary one
+            dead = rows_without_a_token(inputs.token_bitmask, inputs.banned_token_ids, self.config.vocab_size)
+            errors = {s.state.req_id: NoTokenAllowedError(_NO_TOKEN) for s in sampling if dead[s.row]}
+        return _Launched(scheduled, outs, sampling, spans, errors)
 
     def collect(self, launched: "_Launched") -> ModelRunnerOutput:
         """Wait for a launched step and turn its sampled tokens into plain data."""
@@ -604,7 +610,8 @@ class ModelRunner:
                 logprobs[st.req_id] = Logprobs(float(token_lps[i]), top_ids[i, :k].tolist(), top_lps[i, :k].tolist())
         req_ids = [st.req_id for st, _ in scheduled]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[new_tokens.get(r, []) for r in req_ids],
-                                 logprobs=[logprobs.get(r) for r in req_ids], prompt_logprobs=prompt_logprobs)
+                                 logprobs=[logprobs.get(r) for r in req_ids], prompt_logprobs=prompt_logprobs,
+                                 errors=launched.errors or None)
 
 
 def _prompt_logprobs_per_request(scheduled, spans, token_lps, top_ids,
@@ -642,3 +649,4 @@ class _Launched:
     sampling: list[_Sampling] = dataclasses.field(default_factory=list)
     # per scheduled request: (first prompt token whose logprob the step computes, how many)
     prompt_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    errors: dict[str, Exception] = dataclasses.field(default_factory=dict)   # requests left no token to sample

@@ -306,3 +306,17 @@ def test_a_line_that_fails_in_the_engine_is_a_500_row_and_the_job_goes_on(engine
     for cid in ("one", "three"):
         assert by_id[cid]["response"]["body"]["usage"]["completion_tokens"] == 6
     assert not engine.has_unfinished_requests() and engine.stats()["kv_free_blocks"] == free
+
+
+def test_a_line_whose_constraints_leave_no_token_is_a_400_row(engine, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [line("stuck", prompt=[3, 4, 5], max_tokens=6, min_tokens=2, allowed_token_ids=[2]),   # EOS only
+             line("fine", prompt=[3, 4, 5], max_tokens=6, ignore_eos=True, temperature=0)]
+    src.write_text("\n".join(lines) + "\n")
+    summary = run_batch(engine, src, dst, use_tqdm=False)
+    assert (summary.total, summary.succeeded, summary.failed) == (2, 1, 1)
+    by_id = {r["custom_id"]: r for r in read(dst)}
+    error = by_id["stuck"]["response"]["body"]["error"]
+    assert by_id["stuck"]["response"]["status_code"] == 400 and error["type"] == "invalid_request_error"
+    assert "no token can be sampled" in error["message"]
+    assert by_id["fine"]["response"]["body"]["usage"]["completion_tokens"] == 6

@@ -81,3 +81,15 @@ def test_bans_and_allowed_tokens_go_into_the_bitmask_rows():
     assert bool(x.use_bitmask)
     assert np.flatnonzero(bits[0]).tolist() == [3, 40, 63]
     assert np.flatnonzero(~bits[1]).tolist() == [7, 40] and bits[2:].all()
+
+
+def test_rows_without_a_token_count_the_min_tokens_bans_and_only_the_vocabulary():
+    from jaxserve.runner.inputs import rows_without_a_token, token_mask
+
+    vocab, width = 70, 3
+    rows = np.stack([token_mask([5, 9], width), token_mask([5, 9], width), token_mask([69], width),
+                     token_mask([69], width), np.full(width, -1, np.int32)])
+    rows[3] |= token_mask([70, 95], width)      # bits past the vocabulary (a word's padding) are no token
+    rows[3] &= ~token_mask([69], width)
+    banned = np.array([[5, -1], [5, 9], [-1, -1], [-1, -1], [0, 1]], np.int32)
+    assert rows_without_a_token(rows, banned, vocab).tolist() == [False, True, False, True, False]

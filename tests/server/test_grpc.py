@@ -223,6 +223,9 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(real):
     chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True,
                                                    bad_words=[g.engine.tokenizer.decode([greedy[0]]).strip()])))
     assert greedy[0] not in joined(chunks[0])[0]
+    # Constraints that leave no token: the request's own fault, as over HTTP (a 400 there).
+    e = rpc_error(g.stub.Generate(request(ids, max_tokens=4, min_tokens=2, allowed_token_ids=[2])))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "no token can be sampled" in e.details()
 
 
 @pytest.fixture

@@ -247,3 +247,18 @@ def test_streaming_chat_disconnects_abort_too(server):
         asyncio.run(asyncio.sleep(0.05))
     assert metric(server.url, "jaxserve:num_requests_running") == 0
     assert metric(server.url, "jaxserve:kv_cache_free_blocks") == free_before
+
+
+def test_constraints_that_leave_no_token_are_a_400_naming_the_reason(server):
+    """allowed_token_ids of EOS alone under min_tokens: the request cannot sample a token. Plain: a
+    400 with the reason; streamed: an error event with code 400, then [DONE]. The server goes on."""
+    eos = [2]      # the tiny model's EOS
+    body = {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": eos}
+    r = post(server, "/v1/completions", body)
+    assert_error(r, 400, contains="no token can be sampled")
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 400
+    assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 1}).status_code == 200
