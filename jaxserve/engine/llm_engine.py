@@ -241,6 +241,9 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids and len(params.allowed_token_ids) > vocab:
+            raise ValueError(f"allowed_token_ids has {len(params.allowed_token_ids)} ids, more than the vocabulary's "
+                             f"{vocab} tokens")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids has token id {max(params.allowed_token_ids)} outside the "
                              f"vocabulary [0, {vocab})")

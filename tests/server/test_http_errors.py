@@ -208,6 +208,7 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [-5]}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [5, 4096]}, 400, None),                      # past the vocabulary
+    ({"prompt": "hi", "allowed_token_ids": [5] * 600}, 400, None),                      # more ids than tokens
     ({"prompt": "hi", "bad_words": ["the", " cat"], "max_tokens": 2}, 200, None),
     ({"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
