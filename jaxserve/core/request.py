@@ -23,7 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()        # EOS or a stop token / stop string
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()        # aborted by the caller
-    FINISHED_ERROR = enum.auto()          # a fault of this request alone (its grammar raised): ended, with the error
+    FINISHED_ERROR = enum.auto()          # this request alone failed (its grammar raised, or no token was left)
 
     @property
     def is_finished(self) -> bool:

@@ -162,9 +162,10 @@ class OutputProcessor:
         return outputs, stopped, failed_ids
 
     def _fail(self, state: _RequestState, error: Exception, what: str, now: float) -> RequestOutput:
-        """End a request whose output processing (or grammar: `what` says) raised; its final output says
-        so and carries what it had (whole, or what was not yet handed out for DELTA), read without
-        calling into the detokenizer again."""
+        """End a request whose output processing or grammar (`what` says which) raised, or whose
+        constraints left no token (NoTokenAllowedError: the request's fault, its message shown); its
+        final output says so and carries what it had (whole, or what was not yet handed out for
+        DELTA), read without calling into the detokenizer again."""
         if isinstance(error, NoTokenAllowedError):    # the request's own doing: its message says why
             message, status = str(error), 400
             logger.info("request %s ends: %s", state.request_id, error)

@@ -7,9 +7,10 @@ the engine thread (AsyncEngine compiles on a worker thread before queueing a req
 Each sequence then gets a `Grammar`: a copy of the cached matcher that the scheduler
 advances with every accepted token (jaxserve.core.scheduler) and that fills its row of
 the step's allowed-token bitmask ([sequences, ceil(vocab / 32)] int32, bit j of word i =
-token 32 i + j) before the step samples. A matcher that raises (filling its row or taking a
-token) keeps the exception as `error` instead of raising into the step: the scheduler then
-ends that request alone with finish_reason "error", and the engine goes on.
+token 32 i + j) before the step samples. A matcher that raises (filling its row, taking a
+token, saying whether it stopped) keeps the exception as `error` instead of raising into the
+step: the scheduler then ends that request alone with finish_reason "error", and the engine
+goes on.
 """
 
 from __future__ import annotations
