@@ -250,6 +250,13 @@ class LLMEngine:
         bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab]
         if bad:
             raise ValueError(f"bad_words_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids:     # what is plain before any step (the runner checks every row too)
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids) | set(() if params.ignore_eos else self.tokenizer.eos_token_ids)
+            if banned.issuperset(params.allowed_token_ids):
+                raise ValueError("no token can be sampled: one-token bad words and min_tokens' ban of EOS and the "
+                                 "stop tokens ban every one of allowed_token_ids")
         if params.min_tokens and len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > MAX_BANNED:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED - len(self.tokenizer.eos_token_ids)} "
                              f"stop_token_ids are supported, got {len(params.stop_token_ids)}")

@@ -310,7 +310,8 @@ def test_a_line_that_fails_in_the_engine_is_a_500_row_and_the_job_goes_on(engine
 
 def test_a_line_whose_constraints_leave_no_token_is_a_400_row(engine, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [line("stuck", prompt=[3, 4, 5], max_tokens=6, min_tokens=2, allowed_token_ids=[2]),   # EOS only
+    lines = [line("stuck", prompt=[3, 4, 5], max_tokens=6, allowed_token_ids=[2],      # EOS, which the choice
+                  structured_outputs={"choice": ["yes", "no"]}),                       # does not allow first
              line("fine", prompt=[3, 4, 5], max_tokens=6, ignore_eos=True, temperature=0)]
     src.write_text("\n".join(lines) + "\n")
     summary = run_batch(engine, src, dst, use_tqdm=False)

@@ -102,20 +102,19 @@ def test_allowed_token_ids_and_a_grammar_both_apply(llm):
     assert len({o.outputs[0].text for o in free}) > 1
 
 
-@pytest.mark.parametrize("case", ["allowed only EOS under min_tokens", "allowed all bad words",
-                                  "allowed outside the grammar"])
+@pytest.mark.parametrize("case", ["allowed outside the grammar", "allowed tokens all bad after the first"])
 def test_constraints_that_leave_no_token_end_the_request_with_the_reason(llm, case):
     """Where a request's own constraints allow no token (its bitmask row, less the min_tokens bans,
     is empty), it ends with error_status 400 and the reason, instead of sampling an arbitrary token;
     a request beside it is untouched and the pool is as full as before."""
     tok = llm.get_tokenizer()
-    eos = list(tok.eos_token_ids)
-    params = {
-        "allowed only EOS under min_tokens": dict(allowed_token_ids=eos, min_tokens=3),
-        "allowed all bad words": dict(allowed_token_ids=[40, 41], bad_words_token_ids=[[40], [41]]),
-        "allowed outside the grammar": dict(allowed_token_ids=[t for t in range(3, 60) if t not in set(
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    params, kept = {
+        "allowed outside the grammar": (dict(allowed_token_ids=[t for t in range(3, 60) if t not in set(
             tok.encode("yes", add_special_tokens=False) + tok.encode("no", add_special_tokens=False))][:20],
-            structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+            structured_outputs=yes_no), 0),
+        "allowed tokens all bad after the first": (dict(allowed_token_ids=[40, 41], bad_words_token_ids=[
+            [40, 40], [40, 41], [41, 40], [41, 41]]), 1),
     }[case]
     engine = llm.engine
     free = engine.stats()["kv_free_blocks"]
@@ -124,6 +123,16 @@ def test_constraints_that_leave_no_token_end_the_request_with_the_reason(llm, ca
     bad, good = llm.generate([[3, 4, 5], [7, 8, 9]], [SamplingParams(max_tokens=6, temperature=1.0, seed=1, **params),
                                                        plain], use_tqdm=False)
     assert bad.error_status == 400 and "no token can be sampled" in bad.error
-    assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
+    assert bad.outputs[0].finish_reason == "error" and len(bad.outputs[0].token_ids) == kept
     assert good.error is None and good.outputs[0].token_ids == alone
     assert engine.stats()["kv_free_blocks"] == free
+
+
+@pytest.mark.parametrize("params", [dict(allowed_token_ids=[2], min_tokens=3),      # the tiny model's EOS
+                                    dict(allowed_token_ids=[40, 41], bad_words_token_ids=[[40], [41]]),
+                                    dict(allowed_token_ids=[40, 7], bad_words_token_ids=[[40]], min_tokens=1,
+                                         stop_token_ids=[7])])
+def test_constraints_that_leave_no_first_token_are_refused_before_any_step(llm, params):
+    with pytest.raises(ValueError, match="no token can be sampled"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, **params), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

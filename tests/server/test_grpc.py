@@ -224,7 +224,8 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(real):
                                                    bad_words=[g.engine.tokenizer.decode([greedy[0]]).strip()])))
     assert greedy[0] not in joined(chunks[0])[0]
     # Constraints that leave no token: the request's own fault, as over HTTP (a 400 there).
-    e = rpc_error(g.stub.Generate(request(ids, max_tokens=4, min_tokens=2, allowed_token_ids=[2])))
+    choice = pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"]))       # not EOS first
+    e = rpc_error(g.stub.Generate(request(ids, max_tokens=4, allowed_token_ids=[2], structured_outputs=choice)))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "no token can be sampled" in e.details()
 
 

@@ -251,10 +251,12 @@ def test_streaming_chat_disconnects_abort_too(server):
 
 
 def test_constraints_that_leave_no_token_are_a_400_naming_the_reason(server):
-    """allowed_token_ids of EOS alone under min_tokens: the request cannot sample a token. Plain: a
-    400 with the reason; streamed: an error event with code 400, then [DONE]. The server goes on."""
+    """allowed_token_ids of EOS alone with a choice grammar, which does not allow EOS first: found
+    at the first step. Plain: a 400 with the reason; streamed: an error event with code 400, then
+    [DONE]. Where it is plain before any step (EOS alone under min_tokens), a 400 at once."""
     eos = [2]      # the tiny model's EOS
-    body = {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": eos}
+    body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": eos,
+            "structured_outputs": {"choice": ["yes", "no"]}}
     r = post(server, "/v1/completions", body)
     assert_error(r, 400, contains="no token can be sampled")
     events = []
@@ -262,4 +264,6 @@ def test_constraints_that_leave_no_token_are_a_400_naming_the_reason(server):
         assert s.status_code == 200
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 400
+    static = {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": eos, "stream": True}
+    assert_error(post(server, "/v1/completions", static), 400, contains="no token can be sampled")
     assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 1}).status_code == 200
