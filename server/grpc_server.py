@@ -44,7 +44,8 @@ KV_TRANSFER = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 _ROLES = {pb.KV_ROLE_PRODUCE: "produce", pb.KV_ROLE_CONSUME: "consume"}
 _ROLE_VALUES = {name: value for value, name in _ROLES.items()}
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_OTHER_OPTIONALS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n", "skip_special_tokens")
+_OTHER_OPTIONALS = ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n", "skip_special_tokens",
+                    "truncate_prompt_tokens")
 
 
 # ---- requests ---------------------------------------------------------------------------

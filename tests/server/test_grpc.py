@@ -210,7 +210,7 @@ def test_stop_token_id_is_the_stop_reason(real):
     assert complete.completion_tokens == greedy.index(stop) + 1 == len(joined(chunks[0])[0])
 
 
-def test_logit_bias_and_allowed_token_ids_reach_the_engine(real):
+def test_sampling_controls_reach_the_engine(real):
     g, _ = real
     ids = [7, 8, 9, 10]
     greedy, _ = joined(collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True)))[0][0])
@@ -223,6 +223,9 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(real):
     chunks, _, _ = collect(g.stub.Generate(request(ids, temperature=0, max_tokens=4, ignore_eos=True,
                                                    bad_words=[g.engine.tokenizer.decode([greedy[0]]).strip()])))
     assert greedy[0] not in joined(chunks[0])[0]
+    chunks, (complete,), _ = collect(g.stub.Generate(request(list(range(20, 50)), temperature=0, max_tokens=2,
+                                                             truncate_prompt_tokens=4)))
+    assert complete.prompt_tokens == 4
     # Constraints that leave no token: the request's own fault, as over HTTP (a 400 there).
     choice = pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"]))       # not EOS first
     e = rpc_error(g.stub.Generate(request(ids, max_tokens=4, allowed_token_ids=[2], structured_outputs=choice)))
