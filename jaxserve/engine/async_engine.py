@@ -10,8 +10,8 @@ the engine dead (unhealthy); nothing hangs. A watchdog thread does the same when
 runs longer than `step_timeout_s` (a hung device, or a dead multi-host follower inside a
 collective): the stuck thread cannot be recovered, so the engine is declared dead and
 `on_dead` (the server's exit) is called. A request that fails on its own (processing its
-output raised: its final output carries `error`) ends only its stream, with
-RequestFailedError; the engine carries on. Queue limits count sequences (n x prompts).
+output or its grammar raised, or its constraints left no token: its final output carries
+`error`) ends only its stream, with RequestFailedError; the engine carries on. Queue limits count sequences (n x prompts).
 """
 
 from __future__ import annotations
@@ -317,7 +317,8 @@ def _step_failed(error: BaseException) -> EngineDeadError:
 
 
 class RequestFailedError(RuntimeError):
-    """One request failed on its own (its output could not be processed); the engine carries on."""
+    """One request failed on its own (its output or grammar raised, or its constraints left no token:
+    `output.error_status` 400); the engine carries on."""
 
     def __init__(self, output: RequestOutput) -> None:
         super().__init__(f"request {output.request_id} failed: {output.error}")
