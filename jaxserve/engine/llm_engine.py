@@ -238,18 +238,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids={params.stop_token_ids!r} has id {bad[0]} outside the vocabulary "
                              f"[0, {vocab})")
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary [0, {vocab})")
         if params.allowed_token_ids and len(params.allowed_token_ids) > vocab:
             raise ValueError(f"allowed_token_ids has {len(params.allowed_token_ids)} ids, more than the vocabulary's "
                              f"{vocab} tokens")
-        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
-            raise ValueError(f"allowed_token_ids has token id {max(params.allowed_token_ids)} outside the "
-                             f"vocabulary [0, {vocab})")
-        bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab]
-        if bad:
-            raise ValueError(f"bad_words_token_ids has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        _check_in_vocabulary("logit_bias", list(params.logit_bias or ()), vocab)
+        _check_in_vocabulary("allowed_token_ids", params.allowed_token_ids or [], vocab)
+        _check_in_vocabulary("bad_words_token_ids", [t for w in params.bad_words_token_ids or () for t in w], vocab)
         if params.allowed_token_ids:     # what is plain before any step (the runner checks every row too)
             banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
             if params.min_tokens:
@@ -577,6 +571,14 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
         }
+
+
+def _check_in_vocabulary(name: str, ids: list[int], vocab: int) -> None:
+    """A ValueError naming the first of `ids` past the vocabulary (looked for only when max() finds one:
+    an allowed_token_ids list may hold the whole vocabulary)."""
+    if ids and max(ids) >= vocab:
+        bad = next(t for t in ids if t >= vocab)
+        raise ValueError(f"{name} has token id {bad} outside the vocabulary [0, {vocab})")
 
 
 def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:

@@ -87,11 +87,16 @@ def _zeros(rows: int, cols: int) -> np.ndarray:
     return a
 
 
+def _word_and_bit(token_ids) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's word in the bitmask's layout (token 32 i + j: word i) and its bit there (1 << j, uint32)."""
+    ids = np.asarray(token_ids, np.int64)
+    return ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
+
+
 def token_mask(token_ids, width: int) -> np.ndarray:
     """[width] int32 with bit j of word i set for each token 32 i + j in `token_ids` (the bitmask's layout)."""
-    ids = np.asarray(token_ids, np.int64)
     words = np.zeros(width, np.uint32)
-    np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    np.bitwise_or.at(words, *_word_and_bit(token_ids))
     return words.view(np.int32)
 
 
@@ -100,8 +105,8 @@ def rows_without_a_token(bitmask: np.ndarray, banned: np.ndarray, vocab_size: in
     allows no token of the vocabulary (sampling such a row would pick an arbitrary token)."""
     words = bitmask.view(np.uint32).copy()
     rows, cols = np.nonzero(banned >= 0)
-    ids = banned[rows, cols].astype(np.int64)
-    np.bitwise_and.at(words, (rows, ids >> 5), ~np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    word, bit = _word_and_bit(banned[rows, cols])
+    np.bitwise_and.at(words, (rows, word), ~bit)
     if vocab_size % 32:
         words[:, vocab_size // 32] &= np.uint32((1 << vocab_size % 32) - 1)
     return ~words[:, :-(-vocab_size // 32)].any(axis=1)
