@@ -576,15 +576,32 @@ void pack_x_pairs(const uint16_t* x, int64_t M, int64_t m_pad, int64_t K, uint16
 }
 
 // y[m0 + i, n0 + j] = sum_k w[j, k] x[m0 + i, k] for i < rows, j < cols (<= 32 each); w points at
-// weight row n0 (32 readable rows), xb at x row m0 of the interleaved x.
+// weight row n0 (32 readable rows), xb at x row m0 of the interleaved x. `ahead` (or null): the next
+// block's weight rows, `ahead_bytes` of them, fetched into L2 a few lines each k step (the weight
+// comes from memory once; the prefetcher does not follow its 16 strided rows a tile). Each k step
+// also fetches the next one's x lines into L1 (x is read from L2 at every block otherwise). With
+// `stream`, whole 16-column rows of y go out by non-temporal stores (the caller fences): y is
+// [M, vocabulary], each row of a block a line of its own far from the last, and a plain store first
+// reads that line from memory. The same tile operations in the same order either way: the same sums.
 void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad, float* y, int64_t N,
-                 int64_t rows, int64_t cols) {
+                 int64_t rows, int64_t cols, const char* ahead = nullptr, int64_t ahead_bytes = 0, bool stream = false) {
   const int64_t sw = K * 2, sx = m_pad * 4;
+  const int64_t steps = K / 32, ahead_lines = ahead_bytes / 64, per_step = (ahead_lines + steps - 1) / steps;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t k = 0; k < K; k += 32) {
+  for (int64_t k = 0, line = 0; k < K; k += 32) {
+    if (stream && k + 32 < K) {
+      const char* next_x = reinterpret_cast<const char*>(xb + (k + 32) * m_pad);
+      for (int64_t r = 0; r < 16; ++r) {
+        _mm_prefetch(next_x + r * sx, _MM_HINT_T0);
+        if (rows > 16) _mm_prefetch(next_x + r * sx + 64, _MM_HINT_T0);
+      }
+    }
+    if (ahead != nullptr)
+      for (const int64_t end = std::min(ahead_lines, line + per_step); line < end; ++line)
+        _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
     _tile_loadd(4, w + k, sw);                 // weight rows 0-15
     _tile_loadd(5, w + 16 * K + k, sw);        // weight rows 16-31
     _tile_loadd(6, xb + k * m_pad, sx);        // pairs k / 2 .., x rows 0-15
@@ -607,15 +624,31 @@ void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad
       for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(t[2 * wi + xi][i]);
       transpose16(v);   // v[i]: x row r0 + i over weight rows c0 .. c0 + 15
       const __mmask16 mask = tail_mask(cols - c0);
-      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i)
-        _mm512_mask_storeu_ps(y + (r0 + i) * N + c0, mask, _mm512_castsi512_ps(v[i]));
+      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i) {
+        float* out = y + (r0 + i) * N + c0;
+        if (stream && mask == 0xFFFF && reinterpret_cast<uintptr_t>(out) % 64 == 0)
+          _mm512_stream_ps(out, _mm512_castsi512_ps(v[i]));
+        else
+          _mm512_mask_storeu_ps(out, mask, _mm512_castsi512_ps(v[i]));
+      }
     }
 }
 
-// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows).
+// JAXSERVE_LM_HEAD_STREAM=0: amx_block_t without its prefetches and streaming stores (an A/B switch).
+bool lm_head_stream() {
+  static const bool on = [] {
+    const char* env = std::getenv("JAXSERVE_LM_HEAD_STREAM");
+    return env == nullptr || env[0] != '0';
+  }();
+  return on;
+}
+
+// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows). Each
+// 32-row weight block comes from memory in the first x pass, which fetches the next block into L2.
 void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y, int64_t m0, int64_t m1,
                  int64_t K, int64_t N, int64_t n0, int64_t width) {
   thread_local std::vector<uint16_t> w_pad;   // the last rows of the weight, zero-padded to 32
+  const bool stream = lm_head_stream();
   configure_tiles();
   for (int64_t n = 0; n < width; n += 32) {
     const int64_t cols = std::min<int64_t>(32, width - n);
@@ -625,9 +658,13 @@ void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y,
       std::memcpy(w_pad.data(), wn, sizeof(uint16_t) * (N - n0 - n) * K);
       wn = w_pad.data();
     }
+    // the next block of this panel (the next panel is another thread's, likely)
+    const char* ahead = stream && n + 64 <= width && n0 + n + 64 <= N ? reinterpret_cast<const char*>(wn + 32 * K) : nullptr;
     for (int64_t m = m0; m < m1; m += MR_AMX)
-      amx_block_t(wn, K, xb + 2 * m, m_pad, y + m * N + n0 + n, N, std::min(MR_AMX, m1 - m), cols);
+      amx_block_t(wn, K, xb + 2 * m, m_pad, y + m * N + n0 + n, N, std::min(MR_AMX, m1 - m), cols,
+                  m == m0 ? ahead : nullptr, 32 * K * 2, stream);
   }
+  if (stream) _mm_sfence();   // the streamed rows before the item counts as done
   _tile_release();
 }
 
