@@ -578,13 +578,15 @@ void pack_x_pairs(const uint16_t* x, int64_t M, int64_t m_pad, int64_t K, uint16
 // y[m0 + i, n0 + j] = sum_k w[j, k] x[m0 + i, k] for i < rows, j < cols (<= 32 each); w points at
 // weight row n0 (32 readable rows), xb at x row m0 of the interleaved x. `ahead` (or null): the next
 // block's weight rows, `ahead_bytes` of them, fetched into L2 a few lines each k step (the weight
-// comes from memory once; the prefetcher does not follow its 16 strided rows a tile). Each k step
-// also fetches the next one's x lines into L1 (x is read from L2 at every block otherwise). With
-// `stream`, whole 16-column rows of y go out by non-temporal stores (the caller fences): y is
-// [M, vocabulary], each row of a block a line of its own far from the last, and a plain store first
-// reads that line from memory. The same tile operations in the same order either way: the same sums.
+// comes from memory once; the prefetcher does not follow its 16 strided rows a tile). With `fetch`,
+// each k step also fetches the next one's x lines into L1 (x is read from L2 at every block
+// otherwise). With `stream`, whole 16-column rows of y go out by non-temporal stores (the caller
+// fences): logits larger than the caches, each row of a block a line of its own far from the last,
+// which a plain store first reads from memory. The same tile operations in the same order either
+// way: the same sums.
 void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad, float* y, int64_t N,
-                 int64_t rows, int64_t cols, const char* ahead = nullptr, int64_t ahead_bytes = 0, bool stream = false) {
+                 int64_t rows, int64_t cols, const char* ahead = nullptr, int64_t ahead_bytes = 0, bool fetch = false,
+                 bool stream = false) {
   const int64_t sw = K * 2, sx = m_pad * 4;
   const int64_t steps = K / 32, ahead_lines = ahead_bytes / 64, per_step = (ahead_lines + steps - 1) / steps;
   _tile_zero(0);
@@ -592,7 +594,7 @@ void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t k = 0, line = 0; k < K; k += 32) {
-    if (stream && k + 32 < K) {
+    if (fetch && k + 32 < K) {
       const char* next_x = reinterpret_cast<const char*>(xb + (k + 32) * m_pad);
       for (int64_t r = 0; r < 16; ++r) {
         _mm_prefetch(next_x + r * sx, _MM_HINT_T0);
@@ -634,7 +636,8 @@ void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad
     }
 }
 
-// JAXSERVE_LM_HEAD_STREAM=0: amx_block_t without its prefetches and streaming stores (an A/B switch).
+// JAXSERVE_LM_HEAD_STREAM=0: a [N, K] weight's blocks on tiles without their prefetches and
+// streaming stores (an A/B switch).
 bool lm_head_stream() {
   static const bool on = [] {
     const char* env = std::getenv("JAXSERVE_LM_HEAD_STREAM");
@@ -643,12 +646,18 @@ bool lm_head_stream() {
   return on;
 }
 
-// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows). Each
-// 32-row weight block comes from memory in the first x pass, which fetches the next block into L2.
-void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y, int64_t m0, int64_t m1,
-                 int64_t K, int64_t N, int64_t n0, int64_t width) {
+// Results of at least this many bytes ([M, N] float32: the logits of 32 rows or more) are written
+// by non-temporal stores on the tiles' [N, K] paths: more than both cores' L2, so their consumer
+// reads them from memory either way.
+constexpr int64_t kStreamBytes = 4 << 20;
+
+// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows; y has
+// `M` rows). Each 32-row weight block comes from memory in the first x pass, which fetches the next
+// block into L2.
+void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y, int64_t M, int64_t m0,
+                 int64_t m1, int64_t K, int64_t N, int64_t n0, int64_t width) {
   thread_local std::vector<uint16_t> w_pad;   // the last rows of the weight, zero-padded to 32
-  const bool stream = lm_head_stream();
+  const bool fetch = lm_head_stream(), stream = fetch && M * N * 4 >= kStreamBytes;
   configure_tiles();
   for (int64_t n = 0; n < width; n += 32) {
     const int64_t cols = std::min<int64_t>(32, width - n);
@@ -659,10 +668,10 @@ void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y,
       wn = w_pad.data();
     }
     // the next block of this panel (the next panel is another thread's, likely)
-    const char* ahead = stream && n + 64 <= width && n0 + n + 64 <= N ? reinterpret_cast<const char*>(wn + 32 * K) : nullptr;
+    const char* ahead = fetch && n + 64 <= width && n0 + n + 64 <= N ? reinterpret_cast<const char*>(wn + 32 * K) : nullptr;
     for (int64_t m = m0; m < m1; m += MR_AMX)
       amx_block_t(wn, K, xb + 2 * m, m_pad, y + m * N + n0 + n, N, std::min(MR_AMX, m1 - m), cols,
-                  m == m0 ? ahead : nullptr, 32 * K * 2, stream);
+                  m == m0 ? ahead : nullptr, 32 * K * 2, fetch, stream);
   }
   if (stream) _mm_sfence();   // the streamed rows before the item counts as done
   _tile_release();
@@ -777,7 +786,8 @@ inline __m512 fma_dots(const float* x, const float* w, int64_t K, __m512 out, __
 // over them). x and w as they are: for outputs that come out inf or NaN.
 template <int MB>
 void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int64_t K, uint16_t* ws, int64_t K32,
-                     const uint16_t* xc, int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols) {
+                     const uint16_t* xc, int64_t cr, int64_t xm, float* y, int64_t n0, int64_t rows, int64_t cols,
+                     bool stream) {
   const int64_t part_w = 16 * K32, part_x = K32 * cr;   // words from one part to the next
   const int64_t sw = K32 * 2, sx = 64;   // bytes from one tile row to the next
   _tile_zero(0);
@@ -822,7 +832,9 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
       __m512 out = _mm512_castsi512_ps(v[i]);
       const __mmask16 odd = _mm512_fpclass_ps_mask(out, 0x99) & mask;   // NaN or inf: the FMAs' value
       if (odd) out = fma_dots(x + m * K, w + n0 * K, K, out, odd);
-      _mm512_mask_storeu_ps(y + m * N + n0, mask, out);
+      float* row = y + m * N + n0;
+      if (stream && mask == 0xFFFF && reinterpret_cast<uintptr_t>(row) % 64 == 0) _mm512_stream_ps(row, out);
+      else _mm512_mask_storeu_ps(row, mask, out);
     }
   }
 }
@@ -830,8 +842,9 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
 // Weight rows [n0, n0 + width) of w [N, K] times x rows [m0, m1) (xs: x split in chunks of cr rows). The
 // weight rows are split once, in the first 64 x rows' pass, into a panel that stays in L2 with
 // 64 rows of split x (up to ~1.2 MB at K = 1536) for the later passes.
-void panel_f32_tiles(const float* x, const float* w, const uint16_t* xs, int64_t cr, float* y, int64_t m0,
+void panel_f32_tiles(const float* x, const float* w, const uint16_t* xs, int64_t cr, float* y, int64_t M, int64_t m0,
                      int64_t m1, int64_t K, int64_t N, int64_t n0, int64_t width) {
+  const bool stream = lm_head_stream() && M * N * 4 >= kStreamBytes;   // the logits: see amx_block_t
   const int64_t K32 = (K + 31) / 32 * 32, block_words = 3 * 16 * K32;
   thread_local std::vector<uint16_t> buffer;
   uint16_t* panel = aligned64(buffer, (width + 15) / 16 * block_words);
@@ -844,13 +857,14 @@ void panel_f32_tiles(const float* x, const float* w, const uint16_t* xs, int64_t
       uint16_t* ws = panel + (n - n0) / 16 * block_words;
       const int64_t cols = std::min<int64_t>(16, n0 + width - n);
       switch ((rows + 15) / 16) {
-        case 1: f32_tiles_block<1>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
-        case 2: f32_tiles_block<2>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
-        case 3: f32_tiles_block<3>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
-        default: f32_tiles_block<4>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols); break;
+        case 1: f32_tiles_block<1>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols, stream); break;
+        case 2: f32_tiles_block<2>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols, stream); break;
+        case 3: f32_tiles_block<3>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols, stream); break;
+        default: f32_tiles_block<4>(x, w, split, N, K, ws, K32, xc, cr, m, y, n, rows, cols, stream); break;
       }
     }
   }
+  if (stream) _mm_sfence();   // the streamed rows before the item counts as done
   _tile_release();
 }
 
@@ -858,7 +872,7 @@ void panel_f32_tiles(const float* x, const float* w, const uint16_t* xs, int64_t
 
 constexpr int64_t MR_AMX = 32, NR_AMX = 256;
 void panel_amx_t(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                 int64_t) {}
+                 int64_t, int64_t) {}
 void pack_x_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 bool amx_permitted() { return false; }
 void panel_amx_packed(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -867,7 +881,7 @@ void panel_amx(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64
                uint16_t*) {}
 void split_x_block(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 void panel_f32_tiles(const float*, const float*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, int64_t) {}
+                     int64_t, int64_t, int64_t, int64_t) {}
 
 #endif
 
@@ -976,7 +990,7 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
     for_items<float>(pool, M, ops, NR_F32_TILES, cr, K, [&](const Operand& op, int64_t n0, int64_t width,
                                                               int64_t m0, int64_t m1, const float*, int64_t) {
       split_x();
-      panel_f32_tiles(xp, static_cast<const float*>(op.w), xs, cr, op.y, m0, m1, K, op.N, n0, width);
+      panel_f32_tiles(xp, static_cast<const float*>(op.w), xs, cr, op.y, M, m0, m1, K, op.N, n0, width);
     }, /*even_items=*/false);
   } else if (x.element_type() == ffi::DataType::F32) {
     const float* xp = static_cast<const float*>(x.untyped_data());
@@ -997,7 +1011,7 @@ ffi::Error GemmRows(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::RemainingArgs 
       pack_x_pairs(xp, M, m_pad, K, xb.data());
       for_items<uint16_t>(pool, M, ops, NR_AMX, MR_AMX, K, [&](const Operand& op, int64_t n0, int64_t width,
                                                                 int64_t m0, int64_t m1, const uint16_t*, int64_t) {
-        panel_amx_t(static_cast<const uint16_t*>(op.w), xb.data(), m_pad, op.y, m0, m1, K, op.N, n0, width);
+        panel_amx_t(static_cast<const uint16_t*>(op.w), xb.data(), m_pad, op.y, M, m0, m1, K, op.N, n0, width);
       }, /*even_items=*/false);
     } else if (K % 32 == 0 && amx_permitted()) {   // a [K, N] weight
       std::vector<uint16_t> x_pad;   // whole blocks of 32 rows, zeros past M

@@ -283,6 +283,25 @@ needs_amx = pytest.mark.skipif(not native_cpu.gemm_amx(), reason="no AMX on this
 
 
 @needs_amx
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n", [26240, 26251], ids=["rows_aligned", "rows_unaligned"])
+def test_logits_past_the_caches_are_the_bits_of_a_few_rows_at_a_time(n, dtype):
+    """A [N, K] weight's results of 4 MB or more (the logits of 32+ rows) leave the tiles by
+    streaming stores, after prefetches of the weight and x: each row is the same bits as when it is
+    computed with three others (a result too small to stream). Rows 105,004 bytes apart (26,251
+    columns) alternate between lines the stores can stream and those they cannot; columns past the
+    last 32-row weight block are a tail."""
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(rng.standard_normal((40, 64)), dtype)
+    w_nk = jnp.asarray(rng.standard_normal((n, 64)), dtype)
+    product = jax.jit(functools.partial(native_cpu.matmul, transposed=True))
+    whole = np.asarray(product(x, w_nk))
+    assert whole.nbytes >= 4 << 20
+    for r in range(0, 40, 4):
+        np.testing.assert_array_equal(np.asarray(product(x[r:r + 4], w_nk)), whole[r:r + 4])
+
+
+@needs_amx
 @pytest.mark.parametrize("k,ns", [(32, (32,)), (576, (576, 192, 192)), (576, (1536, 1536)), (1536, (576,)),
                                   (96, (64, 32))], ids=str)
 def test_pre_packed_weights_give_the_tiles_bits_at_every_row_count(k, ns):
