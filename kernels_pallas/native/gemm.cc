@@ -646,14 +646,14 @@ bool lm_head_stream() {
   return on;
 }
 
-// Results of at least this many bytes ([M, N] float32: the logits of 32 rows or more) are written
-// by non-temporal stores on the tiles' [N, K] paths: more than both cores' L2, so their consumer
-// reads them from memory either way.
+// Results of at least this many bytes ([M, N] float32: the default model's logits from 22 rows on)
+// are written by non-temporal stores on the tiles' [N, K] paths: at least both cores' L2 here, so
+// their consumer reads them from memory either way.
 constexpr int64_t kStreamBytes = 4 << 20;
 
-// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows; y has
-// `M` rows). Each 32-row weight block comes from memory in the first x pass, which fetches the next
-// block into L2.
+// Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows; `M`:
+// the rows of y computed, which size the result for streaming). Each 32-row weight block comes from
+// memory in the first x pass, which fetches the next block into L2.
 void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y, int64_t M, int64_t m0,
                  int64_t m1, int64_t K, int64_t N, int64_t n0, int64_t width) {
   thread_local std::vector<uint16_t> w_pad;   // the last rows of the weight, zero-padded to 32

@@ -288,13 +288,14 @@ needs_amx = pytest.mark.skipif(not native_cpu.gemm_amx(), reason="no AMX on this
 def test_logits_past_the_caches_are_the_bits_of_a_few_rows_at_a_time(n, dtype):
     """A [N, K] weight's results of 4 MB or more (the logits of 32+ rows) leave the tiles by
     streaming stores, after prefetches of the weight and x: each row is the same bits as when it is
-    computed with three others (a result too small to stream). Rows 105,004 bytes apart (26,251
-    columns) alternate between lines the stores can stream and those they cannot; columns past the
-    last 32-row weight block are a tail."""
+    computed with three others (a result too small to stream). With rows 105,004 bytes apart
+    (26,251 columns) only every 16th row starts 64-byte aligned and streams, the others take the
+    masked stores; columns past the last 32-row weight block are a tail. float32 takes the tiles
+    whatever JAXSERVE_F32_TILES says."""
     rng = np.random.default_rng(n)
     x = jnp.asarray(rng.standard_normal((40, 64)), dtype)
     w_nk = jnp.asarray(rng.standard_normal((n, 64)), dtype)
-    product = jax.jit(functools.partial(native_cpu.matmul, transposed=True))
+    product = jax.jit(functools.partial(native_cpu.matmul, transposed=True, f32_tiles=True))
     whole = np.asarray(product(x, w_nk))
     assert whole.nbytes >= 4 << 20
     for r in range(0, 40, 4):
