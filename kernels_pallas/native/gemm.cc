@@ -575,6 +575,31 @@ void pack_x_pairs(const uint16_t* x, int64_t M, int64_t m_pad, int64_t K, uint16
     }
 }
 
+// JAXSERVE_LM_HEAD_STREAM=0: a [N, K] weight's blocks on tiles without their prefetches and
+// streaming stores (an A/B switch).
+bool lm_head_stream() {
+  static const bool on = [] {
+    const char* env = std::getenv("JAXSERVE_LM_HEAD_STREAM");
+    return env == nullptr || env[0] != '0';
+  }();
+  return on;
+}
+
+// Results of at least this many bytes ([M, N] float32: the default model's logits from 22 rows on)
+// are written by non-temporal stores on the tiles' [N, K] paths: at least both cores' L2 here, so
+// their consumer reads them from memory either way.
+constexpr int64_t kStreamBytes = 4 << 20;
+
+// Whether the tiles' [N, K] paths stream an [M, N] float32 result (the caller fences after its stores).
+bool stream_results(int64_t M, int64_t N) { return lm_head_stream() && M * N * 4 >= kStreamBytes; }
+
+// 16 results of a row: a non-temporal store with `stream` where all 16 are there and the row is
+// 64-byte aligned, else a masked store.
+inline void put_results16(float* out, __mmask16 mask, __m512 v, bool stream) {
+  if (stream && mask == 0xFFFF && reinterpret_cast<uintptr_t>(out) % 64 == 0) _mm512_stream_ps(out, v);
+  else _mm512_mask_storeu_ps(out, mask, v);
+}
+
 // y[m0 + i, n0 + j] = sum_k w[j, k] x[m0 + i, k] for i < rows, j < cols (<= 32 each); w points at
 // weight row n0 (32 readable rows), xb at x row m0 of the interleaved x. `ahead` (or null): the next
 // block's weight rows, `ahead_bytes` of them, fetched into L2 a few lines each k step (the weight
@@ -626,30 +651,10 @@ void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad
       for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(t[2 * wi + xi][i]);
       transpose16(v);   // v[i]: x row r0 + i over weight rows c0 .. c0 + 15
       const __mmask16 mask = tail_mask(cols - c0);
-      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i) {
-        float* out = y + (r0 + i) * N + c0;
-        if (stream && mask == 0xFFFF && reinterpret_cast<uintptr_t>(out) % 64 == 0)
-          _mm512_stream_ps(out, _mm512_castsi512_ps(v[i]));
-        else
-          _mm512_mask_storeu_ps(out, mask, _mm512_castsi512_ps(v[i]));
-      }
+      for (int64_t i = 0; i < std::min<int64_t>(16, rows - r0); ++i)
+        put_results16(y + (r0 + i) * N + c0, mask, _mm512_castsi512_ps(v[i]), stream);
     }
 }
-
-// JAXSERVE_LM_HEAD_STREAM=0: a [N, K] weight's blocks on tiles without their prefetches and
-// streaming stores (an A/B switch).
-bool lm_head_stream() {
-  static const bool on = [] {
-    const char* env = std::getenv("JAXSERVE_LM_HEAD_STREAM");
-    return env == nullptr || env[0] != '0';
-  }();
-  return on;
-}
-
-// Results of at least this many bytes ([M, N] float32: the default model's logits from 22 rows on)
-// are written by non-temporal stores on the tiles' [N, K] paths: at least both cores' L2 here, so
-// their consumer reads them from memory either way.
-constexpr int64_t kStreamBytes = 4 << 20;
 
 // Weight rows [n0, n0 + width) times x rows [m0, m1) (xb holds them interleaved, m_pad rows; `M`:
 // the rows of y computed, which size the result for streaming). Each 32-row weight block comes from
@@ -657,7 +662,7 @@ constexpr int64_t kStreamBytes = 4 << 20;
 void panel_amx_t(const uint16_t* w, const uint16_t* xb, int64_t m_pad, float* y, int64_t M, int64_t m0,
                  int64_t m1, int64_t K, int64_t N, int64_t n0, int64_t width) {
   thread_local std::vector<uint16_t> w_pad;   // the last rows of the weight, zero-padded to 32
-  const bool fetch = lm_head_stream(), stream = fetch && M * N * 4 >= kStreamBytes;
+  const bool fetch = lm_head_stream(), stream = stream_results(M, N);
   configure_tiles();
   for (int64_t n = 0; n < width; n += 32) {
     const int64_t cols = std::min<int64_t>(32, width - n);
@@ -832,9 +837,7 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
       __m512 out = _mm512_castsi512_ps(v[i]);
       const __mmask16 odd = _mm512_fpclass_ps_mask(out, 0x99) & mask;   // NaN or inf: the FMAs' value
       if (odd) out = fma_dots(x + m * K, w + n0 * K, K, out, odd);
-      float* row = y + m * N + n0;
-      if (stream && mask == 0xFFFF && reinterpret_cast<uintptr_t>(row) % 64 == 0) _mm512_stream_ps(row, out);
-      else _mm512_mask_storeu_ps(row, mask, out);
+      put_results16(y + m * N + n0, mask, out, stream);
     }
   }
 }
@@ -844,7 +847,7 @@ void f32_tiles_block(const float* x, const float* w, bool split, int64_t N, int6
 // 64 rows of split x (up to ~1.2 MB at K = 1536) for the later passes.
 void panel_f32_tiles(const float* x, const float* w, const uint16_t* xs, int64_t cr, float* y, int64_t M, int64_t m0,
                      int64_t m1, int64_t K, int64_t N, int64_t n0, int64_t width) {
-  const bool stream = lm_head_stream() && M * N * 4 >= kStreamBytes;   // the logits: see amx_block_t
+  const bool stream = stream_results(M, N);   // the logits: see amx_block_t
   const int64_t K32 = (K + 31) / 32 * 32, block_words = 3 * 16 * K32;
   thread_local std::vector<uint16_t> buffer;
   uint16_t* panel = aligned64(buffer, (width + 15) / 16 * block_words);
