@@ -283,6 +283,36 @@ def test_a_q_with_more_bits_than_bf16_is_rounded_alike_on_every_path(amx):
 
 @pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_q_with_more_bits_than_bf16_gives_the_bits_of_q_rounded_to_nearest_even(head_dim, amx):
+    """The kernel's rounding of a `q_bf16` row is XLA's convert to bf16 (to nearest even, ties to
+    even both ways): the outputs of q with bits past bf16's equal, bit for bit, those of that q
+    rounded first by jnp. Covers every head dim's pairs (16 at a time where the CPU has the
+    instruction), values halfway between two bf16s, and NaN-free normal values."""
+    if amx and not native_cpu.attention_amx():
+        pytest.skip("no AMX tiles here")
+    q, cache, tables, ctx, qsl, num_seqs = _shared_prefix_batch(16, head_dim)
+    rng = np.random.default_rng(head_dim)
+    base = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    bits = base.view(np.uint32)
+    # the bits below bf16's: a tie (0x8000) on a third of the values (half of them on an odd bf16:
+    # rounds up), random bits on the rest
+    low = np.where(rng.random(bits.shape) < 1 / 3, 0x8000, rng.integers(1, 0x10000, bits.shape)).astype(np.uint32)
+    q_more = (bits | low).view(np.float32)
+    assert (q_more != base).mean() > 0.9
+    q_rounded = np.asarray(jnp.asarray(q_more, jnp.bfloat16).astype(jnp.float32))
+    assert (q_rounded > base).any() and (q_rounded == base).any()   # both ways of a tie and of the rest
+    pool = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16))
+    got = [native_cpu.paged_context_native(jnp.asarray(q_in * 0.125), pool, *map(jnp.asarray, (tables, ctx, qsl)),
+                                           num_seqs, bits_dtype=jnp.bfloat16, max_q_len=q.shape[0],
+                                           sliding_window=None, soft_cap=None, q_bf16=True, amx=amx)
+           for q_in in (q_more, q_rounded)]
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not native_cpu.gemm_available(), reason="no AVX-512 BF16 on this CPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 8, 20])
 @pytest.mark.parametrize("amx", [False, True])
 def test_q_rotated_in_the_kernel_gives_xlas_bits(head_dim, window, amx, monkeypatch):
