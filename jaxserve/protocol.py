@@ -250,6 +250,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the model continues the last message (no end of turn)
+    echo: bool = False                       # vLLM's: each choice starts with the last message's text (see `echoed`)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -338,15 +339,22 @@ class ChatCompletionRequest(_SamplingFields):
         for m in self.messages:
             d = m.model_dump(exclude_none=True)
             if isinstance(d.get("content"), list):   # OpenAI content parts: keep the text ones
-                parts = d["content"]
-                if any(p.get("type") != "text" for p in parts):
-                    raise RequestError("only text content parts are supported", param="messages")
-                d["content"] = "".join(p.get("text", "") for p in parts)
+                d["content"] = _text_parts(d["content"])
             if d["role"] == "assistant" and d.get("tool_calls"):
                 d["content"] = d.get("content") or ""
                 d["tool_calls"] = _template_tool_calls(d["tool_calls"], len(out))
             out.append(d)
         return out
+
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's content: the last message's text (its text parts
+        joined, as the prompt takes them) when it is an assistant message, the role every response
+        has here (the model continued it, e.g. under continue_final_message); else nothing. (vLLM
+        answers with the last message's role when add_generation_prompt is off, and so echoes any.)"""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        return last.content if isinstance(last.content, str) else _text_parts(last.content)
 
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -355,6 +363,13 @@ class ChatCompletionRequest(_SamplingFields):
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(_max_tokens(requested, name, prompt_len, max_model_len), logprobs)
+
+
+def _text_parts(parts: list[dict[str, Any]]) -> str:
+    """OpenAI content parts as the prompt takes them: the text parts joined (others are refused)."""
+    if any(p.get("type") != "text" for p in parts):
+        raise RequestError("only text content parts are supported", param="messages")
+    return "".join(p.get("text", "") for p in parts)
 
 
 def _named_tool_choice(choice: dict) -> str:
@@ -508,6 +523,7 @@ def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, to
                   tool_parser: ToolParser | None = None) -> dict:
     choices = []
     parser = req.output_tool_parser(tool_parser)
+    echoed = req.echoed()
     for c in out.outputs:
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
         if parser is not None:
@@ -516,6 +532,8 @@ def chat_response(req: ChatCompletionRequest, out: RequestOutput, model: str, to
                 message = {"role": "assistant", "content": parsed.content,
                            "tool_calls": [call.json() for call in parsed.tool_calls]}
                 reason = finish_reason(reason, called=parser.calls_finish)
+        if echoed:
+            message["content"] = echoed + (message["content"] or "")
         choices.append({
             "index": c.index, "message": message,
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)

@@ -295,6 +295,9 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
     for index in range(req.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
+    if echoed := req.echoed():   # vLLM's order: every choice's role, then every choice's echo
+        for index in range(req.n):
+            yield chunk([{"index": index, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}])
     async for out in stream:
         counts.prompt = len(out.prompt_token_ids)
         for c in out.outputs:

@@ -78,3 +78,39 @@ def test_continue_final_message_renders_the_last_message_open(client, server):
     bad = httpx.post(f"{server.url}/v1/chat/completions",
                      json={"model": "tiny", "messages": messages, "continue_final_message": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_echo_starts_each_choice_with_the_continued_message(client, server):
+    """vLLM's chat `echo`: each choice's content is the last (assistant) message's text and then what
+    the model wrote, streamed as a chunk of its own after the roles and before any generated text;
+    usage counts only the generated tokens; a last message of another role echoes nothing; a list
+    content's text parts are joined as the prompt joins them; a non-boolean echo is a 400."""
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "The answer is"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    kw = dict(model="tiny", messages=messages, max_tokens=5, n=2, temperature=1, seed=3)
+    plain = client.chat.completions.create(**kw, extra_body=body)
+    echoed = client.chat.completions.create(**kw, extra_body={**body, "echo": True})
+    assert len({c.message.content for c in plain.choices}) == 2   # two different continuations
+    assert [c.message.content for c in echoed.choices] == ["The answer is" + c.message.content for c in plain.choices]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 10
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**body, "echo": True}))
+    texts, firsts = {0: "", 1: ""}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            if c.delta.content:
+                firsts.setdefault(c.index, c.delta.content)
+                texts[c.index] += c.delta.content
+    assert firsts == {0: "The answer is", 1: "The answer is"}
+    assert [texts[0], texts[1]] == [c.message.content for c in echoed.choices]
+
+    parts = [{"type": "text", "text": "The answer"}, {"type": "text", "text": " is"}]
+    listed = client.chat.completions.create(**{**kw, "messages": [messages[0], {"role": "assistant", "content": parts}]},
+                                            extra_body={**body, "echo": True})
+    assert [c.message.content for c in listed.choices] == [c.message.content for c in echoed.choices]
+
+    asked = dict(model="tiny", messages=messages[:1], max_tokens=4, temperature=0)
+    assert (client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message.content
+            == client.chat.completions.create(**asked).choices[0].message.content)
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={**asked, "echo": "maybe"})
+    assert bad.status_code == 400
