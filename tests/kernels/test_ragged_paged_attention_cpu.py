@@ -285,10 +285,12 @@ def test_a_q_with_more_bits_than_bf16_is_rounded_alike_on_every_path(amx):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("amx", [False, True])
 def test_a_q_with_more_bits_than_bf16_gives_the_bits_of_q_rounded_to_nearest_even(head_dim, amx):
-    """The kernel's rounding of a `q_bf16` row is XLA's convert to bf16 (to nearest even, ties to
-    even both ways): the outputs of q with bits past bf16's equal, bit for bit, those of that q
-    rounded first by jnp. Covers every head dim's pairs (16 at a time where the CPU has the
-    instruction), values halfway between two bf16s, and NaN-free normal values."""
+    """The kernel's rounding of a `q_bf16` row is XLA's convert to bf16 for normal values (to nearest
+    even, ties to even both ways; subnormals flush to zero, as `vcvtne2ps2bf16` does): the outputs of
+    q with bits past bf16's equal, bit for bit, those of that q rounded first by jnp, with the shared
+    pages folded rows in lanes (whose q pairs are converted 16 at a time) and the rest one by one.
+    This checks the rounding only: both inputs go through the same packing, whose layout the
+    reference and lanes-against-rows tests check."""
     if amx and not native_cpu.attention_amx():
         pytest.skip("no AMX tiles here")
     q, cache, tables, ctx, qsl, num_seqs = _shared_prefix_batch(16, head_dim)
@@ -303,10 +305,12 @@ def test_a_q_with_more_bits_than_bf16_gives_the_bits_of_q_rounded_to_nearest_eve
     q_rounded = np.asarray(jnp.asarray(q_more, jnp.bfloat16).astype(jnp.float32))
     assert (q_rounded > base).any() and (q_rounded == base).any()   # both ways of a tie and of the rest
     pool = jnp.asarray(np.asarray(jnp.asarray(cache, jnp.bfloat16)).view(np.uint16))
+    before = native_cpu.lane_block_pages()
     got = [native_cpu.paged_context_native(jnp.asarray(q_in * 0.125), pool, *map(jnp.asarray, (tables, ctx, qsl)),
                                            num_seqs, bits_dtype=jnp.bfloat16, max_q_len=q.shape[0],
-                                           sliding_window=None, soft_cap=None, q_bf16=True, amx=amx)
+                                           sliding_window=None, soft_cap=None, q_bf16=True, amx=amx, min_lane_fill=1)
            for q_in in (q_more, q_rounded)]
+    assert native_cpu.lane_block_pages() > before   # the shared pages went rows in lanes
     for a, b in zip(*got):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

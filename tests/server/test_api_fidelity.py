@@ -102,6 +102,9 @@ def test_chat_echo_starts_each_choice_with_the_continued_message(client, server)
                 firsts.setdefault(c.index, c.delta.content)
                 texts[c.index] += c.delta.content
     assert firsts == {0: "The answer is", 1: "The answer is"}
+    kinds = [("role" if c.delta.role else "echo" if c.delta.content == "The answer is" else "text")
+             for chunk in chunks[:4] for c in chunk.choices]
+    assert kinds == ["role", "role", "echo", "echo"]   # every role, then every echo, then the text
     assert [texts[0], texts[1]] == [c.message.content for c in echoed.choices]
 
     parts = [{"type": "text", "text": "The answer"}, {"type": "text", "text": " is"}]
@@ -109,8 +112,14 @@ def test_chat_echo_starts_each_choice_with_the_continued_message(client, server)
                                             extra_body={**body, "echo": True})
     assert [c.message.content for c in listed.choices] == [c.message.content for c in echoed.choices]
 
-    asked = dict(model="tiny", messages=messages[:1], max_tokens=4, temperature=0)
-    assert (client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message.content
-            == client.chat.completions.create(**asked).choices[0].message.content)
+    # A last assistant message under a new generation prompt is echoed too (the response's role);
+    # a user's or an empty one is not.
+    opened = dict(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert client.chat.completions.create(**opened, extra_body={"echo": True}).choices[0].message.content == (
+        "The answer is" + client.chat.completions.create(**opened).choices[0].message.content)
+    for last in (messages[:1], [messages[0], {"role": "assistant", "content": ""}]):
+        asked = dict(model="tiny", messages=last, max_tokens=4, temperature=0)
+        assert (client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message.content
+                == client.chat.completions.create(**asked).choices[0].message.content)
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={**asked, "echo": "maybe"})
-    assert bad.status_code == 400
+    assert bad.status_code == 400 and "boolean" in bad.json()["error"]["message"]
