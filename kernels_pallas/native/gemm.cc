@@ -610,8 +610,7 @@ inline void put_results16(float* out, __mmask16 mask, __m512 v, bool stream) {
 // which a plain store first reads from memory. The same tile operations in the same order either
 // way: the same sums.
 void amx_block_t(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_pad, float* y, int64_t N,
-                 int64_t rows, int64_t cols, const char* ahead = nullptr, int64_t ahead_bytes = 0, bool fetch = false,
-                 bool stream = false) {
+                 int64_t rows, int64_t cols, const char* ahead, int64_t ahead_bytes, bool fetch, bool stream) {
   const int64_t sw = K * 2, sx = m_pad * 4;
   const int64_t steps = K / 32, ahead_lines = ahead_bytes / 64, per_step = (ahead_lines + steps - 1) / steps;
   _tile_zero(0);

@@ -610,8 +610,7 @@ inline uint32_t cvtne_bf16(float value) {
 inline void q_pairs_into_lane(const float* qrow, int64_t d, uint32_t* words, int64_t lane) {
   int64_t c = 0;
 #ifdef __AVX512BF16__
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(16));
+  const __m512i rows = _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 4);
   for (; 2 * c + 32 <= d; c += 16) {   // word j: the pair (q[2c + 2j], q[2c + 2j + 1]), for row c + j of words
     const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qrow + 2 * c + 16), _mm512_loadu_ps(qrow + 2 * c));
     _mm512_i32scatter_epi32(words + c * 16 + lane, rows, pairs, 4);
