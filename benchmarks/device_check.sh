@@ -116,7 +116,7 @@ else
             shopt -s nullglob
             wheels=("$OFFLINE"/wheels/*.whl)
             if [[ ${#wheels[@]} -gt 0 ]]; then
-                "$BASE" -m pip install --progress-bar off --no-index --no-deps --no-compile --target "$OFFLINE/site" \
+                "$BASE" -m pip install --progress-bar off --no-index --no-deps --no-compile --no-cache-dir --target "$OFFLINE/site" \
                     "${wheels[@]}"
             fi
             printf "#!/bin/sh\nPYTHONPATH=\"%s:%s\${PYTHONPATH:+:\$PYTHONPATH}\" exec \"%s\" \"\$@\"\n" \
