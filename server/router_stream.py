@@ -115,6 +115,7 @@ class RouterStream:
     def __init__(self, call, consumer, outputs: OutputAssembler, first: pb.GenerateResponse,
                  on_close: Callable[["RouterStream"], None]) -> None:
         self.call, self.consumer, self.outputs = call, consumer, outputs
+        self.num_prompt_tokens = len(outputs.prompt_token_ids)   # the ids the router sent to both legs
         self._pending = [first]
         self._on_close = on_close
         self.finished = False

@@ -292,6 +292,7 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
             c["usage"] = counts.json()
         return c
 
+    counts.prompt = stream.num_prompt_tokens or 0   # vLLM's role and echo chunks count the prompt too
     for index in range(req.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])

@@ -139,7 +139,7 @@ class AsyncEngine:
         if self._error is not None and not accepted.done():  # died after the check above
             accepted.set_exception(self._dead_error())
         try:
-            await accepted
+            stream.num_prompt_tokens = await accepted
         except BaseException:
             stream.close(abort=True)
             raise
@@ -278,11 +278,11 @@ class AsyncEngine:
                 _resolve(loop, accepted, None)   # the consumer already gave up
                 continue
             try:
-                self.engine.add_request(request_id, prompt, params, **kwargs)
+                num_prompt_tokens = self.engine.add_request(request_id, prompt, params, **kwargs)
             except Exception as e:  # noqa: BLE001 - a bad request fails only itself
                 _resolve(loop, accepted, e)
             else:
-                _resolve(loop, accepted, None)
+                _resolve(loop, accepted, None, num_prompt_tokens)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
@@ -338,6 +338,7 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.engine, self.request_id = engine, request_id
+        self.num_prompt_tokens: int | None = None   # known once accepted (before any output)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._closed = False
@@ -375,11 +376,12 @@ class RequestStream:
         self.close(abort=True)
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None,
+             result: Any = None) -> None:
     def set_result():
         if not fut.done():
             if error is None:
-                fut.set_result(None)
+                fut.set_result(result)
             else:
                 fut.set_exception(error)
     try:

@@ -133,8 +133,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                    kv_transfer: KVTransferParams | None = None) -> None:
-        """`kv_transfer`: role "produce" on a producer (export the prompt's blocks when it finishes;
+                    kv_transfer: KVTransferParams | None = None) -> int:
+        """Returns the number of prompt tokens the request runs with (after `truncate_prompt_tokens`).
+        `kv_transfer`: role "produce" on a producer (export the prompt's blocks when it finishes;
         n must be 1) or "consume" on a consumer (pull them from the producer first)."""
         if self.sleep_level:
             raise RuntimeError("the engine is asleep (sleep() released its memory): call wake_up() first")
@@ -202,6 +203,7 @@ class LLMEngine:
         except Exception:
             self._finish_core(core_ids, RequestStatus.FINISHED_ABORTED)
             raise
+        return len(token_ids)
 
     def _check_kv_transfer(self, kv: KVTransferParams, params: SamplingParams) -> None:
         wanted = "producer" if kv.role == "produce" else "consumer"

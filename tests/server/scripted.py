@@ -42,7 +42,7 @@ class ScriptedEngine:
         self.added: list[str] = []       # request ids, in order
         self.aborted: list[str] = []     # those aborted before they finished
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **_) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, **_) -> int:
         params = params or SamplingParams()
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else list(prompt)
         if request_id in self.output_processor:
@@ -59,6 +59,7 @@ class ScriptedEngine:
         self.output_processor.add(request_id, prompt.get("prompt") if isinstance(prompt, dict) else None, ids,
                                   params, core_ids, time.monotonic())
         self.added.append(request_id)
+        return len(ids)
 
     def step(self):
         self.num_steps += 1

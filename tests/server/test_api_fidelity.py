@@ -107,6 +107,16 @@ def test_chat_echo_starts_each_choice_with_the_continued_message(client, server)
     assert kinds == ["role", "role", "echo", "echo"]   # every role, then every echo, then the text
     assert [texts[0], texts[1]] == [c.message.content for c in echoed.choices]
 
+    # Continuous usage counts the prompt from the first chunk on (vLLM's role chunks do), echo included.
+    counted = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                                  extra_body={**body, "echo": True,
+                                                              "stream_options": {"include_usage": True,
+                                                                                 "continuous_usage_stats": True}}))
+    prompt_tokens = echoed.usage.prompt_tokens
+    assert prompt_tokens > 0 and all(c.usage.prompt_tokens == prompt_tokens for c in counted)
+    assert [c.usage.completion_tokens for c in counted[:4]] == [0, 0, 0, 0] and counted[-1].usage.completion_tokens == 10
+    assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in counted)
+
     parts = [{"type": "text", "text": "The answer"}, {"type": "text", "text": " is"}]
     listed = client.chat.completions.create(**{**kw, "messages": [messages[0], {"role": "assistant", "content": parts}]},
                                             extra_body={**body, "echo": True})
