@@ -30,6 +30,8 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,16 @@ CARRIED = (
     "protobuf", "grpcio", "grpcio-health-checking", "grpcio-reflection", "flax", "orbax-checkpoint",
 )
 # The image's glibc is new (Python 3.12.3's distribution); pip matches each manylinux tag exactly.
+# Of the image's ~200 packages (as read on the lent machine, 2026-11-17), those the project's runtime
+# dependencies reach and that are not carried: the image's versions (and their own dependencies)
+# serve. `uncovered()` walks the dependencies against this list and CARRIED.
+IMAGE_HAS = (
+    "absl-py", "aiofiles", "anyio", "certifi", "charset-normalizer", "click", "etils", "filelock", "fsspec", "h11",
+    "httpcore", "huggingface-hub", "humanize", "idna", "jax", "jaxlib", "jinja2", "markdown-it-py", "markupsafe",
+    "mdurl", "ml-dtypes", "msgpack", "numpy", "opt-einsum", "optax", "packaging", "psutil", "pygments", "pyyaml",
+    "requests", "rich", "safetensors", "scipy", "simplejson", "tensorstore", "tokenizers", "tqdm", "treescope",
+    "urllib3", "uvloop",
+)
 PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)), "manylinux2014_x86_64", "manylinux1_x86_64")
 PYTHON_VERSION = "3.12"        # the image's python3
 
@@ -66,8 +78,39 @@ def pinned(names=CARRIED) -> list[str]:
     return pins
 
 
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def uncovered(python_version: str = PYTHON_VERSION) -> list[str]:
+    """The packages the project needs at run time that neither the image has (IMAGE_HAS) nor the bundle
+    carries (CARRIED), from this environment's metadata: each carried package's own requirements are
+    followed, an image package's are the image's business. [] when the bundle is complete."""
+    from packaging.requirements import Requirement   # pip's own dependency, in every environment here
+
+    marker_env = {"python_version": python_version, "python_full_version": f"{python_version}.0",
+                  "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                  "os_name": "posix", "implementation_name": "cpython", "extra": ""}
+    image, carried = set(map(_norm, IMAGE_HAS)), set(map(_norm, CARRIED))
+    todo = [r for r in importlib.metadata.distribution("jaxserve").requires or [] if "extra ==" not in r]
+    seen, missing = set(), []
+    while todo:
+        req = Requirement(todo.pop())
+        name = _norm(req.name)
+        if (req.marker and not req.marker.evaluate(marker_env)) or name in seen:
+            continue
+        seen.add(name)
+        if name in carried:
+            todo += importlib.metadata.distribution(req.name).requires or []
+        elif name not in image:
+            missing.append(name)
+    return sorted(missing)
+
+
 def download_wheels(pins: list[str], folder: Path, python_version: str = PYTHON_VERSION) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
+    """The pinned wheels into an emptied `folder` (two versions of one package would stop the install)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
            "--python-version", python_version, "--implementation", "cp", "-d", str(folder)]
     for platform in PLATFORMS:
@@ -115,13 +158,9 @@ def plan_calls(out: Path, wheels: list[Path], parts: list[dict], tree: int) -> l
         if i == 0:
             carry = [f"{rel}/manifest.json", f"{rel}/wheels", *carry]
             size += sum(w.stat().st_size for w in wheels) + (out / "manifest.json").stat().st_size
-        last = i == len(parts) - 1
-        if last:
-            command = f"bash benchmarks/device_check.sh --out /tmp/dc --offline {rel} --pack $OUT" + (
-                "" if i == 0 else " --skip-install")
-        else:
-            command = (f"bash benchmarks/device_check.sh --out /tmp/dc --offline {rel} --only env --pack $OUT"
-                       + ("" if i == 0 else " --skip-install"))
+        only = "" if i == len(parts) - 1 else " --only env"    # the last call runs every section
+        command = (f"bash benchmarks/device_check.sh --out /tmp/dc{i + 1} --offline {rel}{only} --pack $OUT"
+                   + ("" if i == 0 else " --skip-install"))
         calls.append(dict(carry=carry, bytes=size, command=command))
     return calls
 
@@ -163,8 +202,8 @@ def assemble(bundle: Path, site: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / ".device"), help="the bundle's folder (git-ignored)")
-    ap.add_argument("--no-wheels", action="store_true", help="the model's parts only (wheels already there)")
-    ap.add_argument("--gguf", default=None, help="the GGUF to carry (default: the default model's)")
+    ap.add_argument("--no-wheels", action="store_true",
+                    help="carry no wheels (a rehearsal where the python has every package)")
     ap.add_argument("--python-version", default=PYTHON_VERSION,
                     help="the device python's X.Y (another than the image's: to rehearse on this machine)")
     ap.add_argument("--assemble", metavar="BUNDLE", default=None,
@@ -178,15 +217,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["status"] in ("ok", "incomplete") else 1
 
     out = Path(args.out).resolve()
+    inside = out.is_relative_to(REPO)
+    if inside and subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=REPO).returncode != 0:
+        raise SystemExit(f"device_bundle: {out} is in the repository but not git-ignored: every call would send "
+                         "it whole as untracked files (use the default .device, which .gitignore names)")
+    missing = uncovered(args.python_version)
+    if missing:
+        raise SystemExit(f"device_bundle: the image lacks {', '.join(missing)} and CARRIED does not name it: "
+                         "add it to CARRIED (or to IMAGE_HAS if the image has it)")
     out.mkdir(parents=True, exist_ok=True)
-    if args.gguf:
-        gguf = Path(args.gguf)
-    else:
-        sys.path.insert(0, str(REPO))
-        from checkpoints.default_model import default_model_path
-        gguf = default_model_path()
+    sys.path.insert(0, str(REPO))
+    from checkpoints.default_model import default_model_path
+    gguf = default_model_path()
     pins = pinned()
-    wheels = sorted((out / "wheels").glob("*.whl")) if args.no_wheels else download_wheels(pins, out / "wheels", args.python_version)
+    if args.no_wheels:
+        shutil.rmtree(out / "wheels", ignore_errors=True)
+        (out / "wheels").mkdir()
+        wheels = []
+    else:
+        wheels = download_wheels(pins, out / "wheels", args.python_version)
     for old in out.glob("model-*"):
         old.unlink()
     tree = tree_bytes()
@@ -209,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
           f"the tree sends {tree / 2**20:.1f} MiB")
     for i, call in enumerate(manifest["calls"], 1):
         print(f"device call {i} ({call['bytes'] / 2**20:.1f} MiB): carry {json.dumps(call['carry'])}\n  {call['command']}")
-    print("Make the calls one right after the other: the parts stay on a warm machine (ignored outputs are kept), "
-          "a machine given back in between loses them.")
+    print("Make the calls one right after the other: a warm machine keeps the ignored files an earlier call carried, "
+          "but it is given back 30 s after a call ends, and a new one starts bare.")
+    if not inside:
+        print(f"({out} is outside the repository: no device call can carry it; this bundle is for a rehearsal here.)")
     return 0
 
 

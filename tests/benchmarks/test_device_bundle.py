@@ -98,6 +98,35 @@ def test_pins_are_this_environments_versions_and_a_missing_package_is_named():
     assert "jax" not in device_bundle.CARRIED and "jaxlib" not in device_bundle.CARRIED
 
 
+def test_the_bundle_covers_what_the_image_lacks(monkeypatch):
+    """Every runtime dependency is on the image or carried; a package dropped from CARRIED is named."""
+    assert device_bundle.uncovered() == []
+    monkeypatch.setattr(device_bundle, "CARRIED", tuple(c for c in device_bundle.CARRIED if c != "opentelemetry-api"))
+    assert device_bundle.uncovered() == ["opentelemetry-api"]      # fastapi's, which the server imports
+
+
+def test_a_bundle_in_the_repository_must_be_ignored(tmp_path):
+    folder = REPO / "benchmarks" / "bundle-not-ignored"
+    proc = subprocess.run([sys.executable, "benchmarks/device_bundle.py", "--out", str(folder), "--no-wheels"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode != 0 and "not git-ignored" in proc.stderr and not folder.exists()
+
+
+def test_pack_inside_out_is_refused_and_skip_install_needs_an_installed_bundle(tmp_path):
+    bundle = _bundle(tmp_path, b"x" * 10, first=5, part=5)
+    base = ["bash", str(SCRIPT), "--platform", "cpu", "--base-python", sys.executable, "--offline", str(bundle)]
+    proc = subprocess.run([*base, "--out", str(tmp_path / "o"), "--pack", str(tmp_path / "o" / "p")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "must lie outside --out" in proc.stderr
+    out = tmp_path / "o2"
+    proc = subprocess.run([*base, "--out", str(out), "--skip-install", "--only", "env"], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    report = json.loads((out / "device_check.json").read_text())
+    assert proc.returncode == 1 and report["install"]["status"] == "failed"
+    assert "this machine never ran the install" in report["install"]["command"]
+    assert report["sections"]["env"]["status"] == "ok"          # the wrapper is there all the same
+
+
 def test_offline_needs_a_bundle_and_only_needs_known_sections(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path / "o"), "--offline", str(tmp_path)],
                           capture_output=True, text=True, cwd=tmp_path)
@@ -119,6 +148,7 @@ def test_two_device_calls_rehearsed_on_this_cpu(tmp_path):
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["model"]["sha256"] == device_bundle.sha256(default_model_path())
     assert len(manifest["calls"]) == len(manifest["model"]["parts"]) == 2
+    assert all(c["bytes"] <= device_bundle.CALL_LIMIT - device_bundle.CALL_MARGIN + (64 << 10) for c in manifest["calls"])
     held = tmp_path / "held"
     held.mkdir()
     shutil.move(bundle / "model-b", held / "model-b")          # not carried yet
