@@ -1,5 +1,6 @@
 """Arithmetic of the offline step breakdown and of the roofline floors, on stand-ins worked out by hand."""
 
+import re
 import time
 import types
 
@@ -62,3 +63,16 @@ def test_decode_floor_reads_weights_and_every_context_token():
     assert f["memory"] == pytest.approx((40_000 + 2 * 10 * 100) / 1e6)
     flops = 2 * 9000 * 2 + 2 * 1000 * 2 + 2 * (4 * 1 * 10 * 2 * 4 * 3)
     assert f["compute"] == pytest.approx(flops / 1e6)
+
+
+@pytest.mark.slow
+def test_profile_workload_reports_the_cores_share(tmp_path, capsys):
+    """benchmarks/profile_workload.py on a small random workload: the cores' share and the caller's CPU."""
+    import profile_workload
+    assert profile_workload.main(["--num-requests", "4", "--output-len", "4", "--dtype", "float32"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.match(r"4 x 4 tokens, float32: wall ([\d.]+) s, CPU ([\d.]+) s on (\d+) cores \((\d+)% busy\), "
+                 r"the calling thread ([\d.]+) s$", line)
+    assert m, line
+    wall, cpu, cores, busy, thread = float(m[1]), float(m[2]), int(m[3]), int(m[4]), float(m[5])
+    assert 0 < wall and 0 < thread <= cpu <= cores * wall * 1.1 and 0 < busy <= 110   # printed rounded
