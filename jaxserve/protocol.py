@@ -181,6 +181,8 @@ class _SamplingFields(BaseModel):
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:   # vLLM's and OpenAI's 400
+            raise RequestError("stream_options can only be given when stream is true", param="stream_options")
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -445,8 +447,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _top(lps: dict[int, float], token_id: int, top_n: int | None) -> dict[int, float]:
+    """The token's own entry and the best `top_n` (all with None): an echoed prompt token's logprobs
+    come from `max(logprobs, prompt_logprobs)`, but its top_logprobs hold `logprobs` as a generated
+    token's do."""
+    if top_n is None or len(lps) <= top_n + 1:
+        return lps
+    keep = {t for t, _ in sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]} | {token_id}
+    return {t: lp for t, lp in lps.items() if t in keep}
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float] | None],
-                        text_offset: int = 0) -> dict:
+                        text_offset: int = 0, top_n: int | None = None) -> dict:
     """OpenAI completions logprobs of some tokens; a None entry (the first prompt token) stays null."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
@@ -455,7 +467,8 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
         tokens.append(piece)
         token_lps.append(None if lps is None else lps[token_id])
         tops.append(None if lps is None else
-                    {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
+                    {tokenizer.decode([t], skip_special_tokens=False): lp
+                     for t, lp in _top(lps, token_id, top_n).items()})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -494,7 +507,10 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, floa
 
 
 def echo_text(out: RequestOutput, tokenizer) -> str:
-    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+    """The prompt as given, or its tokens' text with special tokens kept (as vLLM's: the text the
+    logprobs' text_offset counts)."""
+    return (out.prompt if out.prompt is not None
+            else tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False))
 
 
 def completion_response(req: CompletionRequest, outputs: list[RequestOutput], model: str, tokenizer) -> dict:
@@ -507,7 +523,8 @@ def completion_response(req: CompletionRequest, outputs: list[RequestOutput], mo
             completion_tokens += len(c.token_ids)
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs) if req.echo else None
+                lp = (completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, top_n=req.logprobs)
+                      if req.echo else None)
                 new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, end_offset(lp))
                 lp = new if lp is None else join_logprobs(lp, new)
             choice = {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": lp,

@@ -194,7 +194,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         vocab = engine.engine.model_config.vocab_size
         if not all(0 <= t < vocab for t in req.tokens):
             raise RequestError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}   # as vLLM's
 
     async def generation(request: Request, model, respond_stream, respond_final):
         req = await body_of(request, model)

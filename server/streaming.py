@@ -224,8 +224,10 @@ class _Usage:
 
 
 def _usage_flags(req) -> tuple[bool, bool]:
+    """(a final usage chunk, usage in every chunk): vLLM's continuous usage needs include_usage too."""
     opts = req.stream_options
-    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
 
 
 async def completion_chunks(req: CompletionRequest, streams: list[RequestStream], model: str, tokenizer,
@@ -236,29 +238,35 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
     offsets: dict[int, int] = {}                          # choice index -> text_offset of its next token
     pending_prompt_lps: dict[int, list] = {}              # prompt index -> prompt logprobs not yet echoed
 
-    def chunk(choices):
+    prompt_tokens: dict[int, int] = {}                    # prompt index -> its token count
+    choice_tokens: dict[int, int] = {}                    # choice index -> its tokens so far
+
+    def chunk(choices, i: int, index: int):
         c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if continuous:
-            c["usage"] = counts.json()
+        if continuous:   # vLLM's: the chunk's own prompt and choice
+            c["usage"] = usage(prompt_tokens[i], choice_tokens[index], 0)
         return c
 
     async with contextlib.aclosing(merge(streams)) as merged:
         async for i, out in merged:
             if i not in pending_prompt_lps:
                 pending_prompt_lps[i] = []
+                prompt_tokens[i] = len(out.prompt_token_ids)
                 counts.prompt += len(out.prompt_token_ids)
             if out.prompt_logprobs:
                 pending_prompt_lps[i] += out.prompt_logprobs
             for c in out.outputs:
                 index = i * req.n + c.index
                 counts.completion += len(c.token_ids)
+                choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
                 prefix, lp, first = "", None, index not in offsets
                 if first:
                     offsets[index] = 0
                     if req.echo:
                         prefix = echo_text(out, tokenizer)
                         if req.logprobs is not None:
-                            lp = completion_logprobs(tokenizer, out.prompt_token_ids, pending_prompt_lps[i])
+                            lp = completion_logprobs(tokenizer, out.prompt_token_ids, pending_prompt_lps[i],
+                                                     top_n=req.logprobs)
                             offsets[index] = end_offset(lp)
                 if req.logprobs is not None:
                     new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, offsets[index])
@@ -268,7 +276,7 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
                           "stop_reason": c.stop_reason}
                 if first and req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i])
-                yield chunk([choice])
+                yield chunk([choice], i, index)
             if out.finished:
                 counts.cached += out.num_cached_tokens
                 metrics.observe(out.metrics)
@@ -286,13 +294,15 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
     tool_parser = req.output_tool_parser(tool_parser)
     parsers: dict[int, HermesStream] | None = {} if tool_parser is not None else None  # by choice
 
+    choice_tokens = [0] * req.n                           # each choice's tokens so far
+
     def chunk(choices):
         c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-        if continuous:
-            c["usage"] = counts.json()
+        if continuous:   # vLLM's: the prompt and the chunk's own choice (the role chunks count the prompt too)
+            c["usage"] = usage(counts.prompt, choice_tokens[choices[0]["index"]], 0)
         return c
 
-    counts.prompt = stream.num_prompt_tokens or 0   # vLLM's role and echo chunks count the prompt too
+    counts.prompt = stream.num_prompt_tokens or 0
     for index in range(req.n):
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
@@ -303,6 +313,7 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
         counts.prompt = len(out.prompt_token_ids)
         for c in out.outputs:
             counts.completion += len(c.token_ids)
+            choice_tokens[c.index] += len(c.token_ids)
             lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
             delta, reason = {"content": c.text} if c.text else {}, c.finish_reason
             if parsers is not None:

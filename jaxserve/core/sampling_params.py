@@ -139,6 +139,8 @@ class SamplingParams:
                "must be -1 or 0 (disabled) or a positive integer")
         _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _check(self.seed is None or -2**63 <= self.seed < 2**63, "seed", self.seed,
+               "must fit in 64 bits (as vLLM's: -2**63 to 2**63 - 1)")
         _check_truncate(self.truncate_prompt_tokens)     # the context length is the engine's to check
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1 or None")

@@ -177,7 +177,8 @@ class LLMEngine:
         for i, core_id in enumerate(wanted):
             seq_params = params
             if params.n > 1 and params.seed is not None:
-                seq_params = params.clone(seed=params.seed + i)   # distinct, reproducible siblings
+                # distinct, reproducible siblings (wrapping in int64: a seed of 2**63 - 1 has siblings too)
+                seq_params = params.clone(seed=(params.seed + i + 2**63) % 2**64 - 2**63)
             # One sibling pulls the prompt's blocks; the others wait for it and share them.
             request = Request(core_id, token_ids, seq_params, eos_token_ids=eos, arrival_time=arrival,
                               priority=priority, cache_salt=cache_salt, kv_transfer=kv_transfer if i == 0 else None,

@@ -197,6 +197,12 @@ def prepare_prompt_logprobs(scheduled: list[tuple[RequestState, int]], *,
     return None if next_ids is None else PromptLogprobsInputs(next_token_ids=next_ids, want_top=np.bool_(want_top))
 
 
+def seed32(seed: int) -> int:
+    """A 64-bit seed folded into the sampler's 32 bits: its high word XOR-ed into its low one, so seeds
+    that differ only above bit 31 stay different (a seed below 2**32 is itself)."""
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF if seed >= 2**32 else seed & 0xFFFFFFFF
+
+
 def prepare_inputs(
     scheduled: list[tuple[RequestState, int]],
     *,
@@ -282,7 +288,7 @@ def prepare_inputs(
 
         p = st.sampling_params
         temperature[rows], top_k[rows], top_p[rows], min_p[rows] = p.temperature, p.top_k, p.top_p, p.min_p
-        seeds[rows] = st.seed & 0xFFFFFFFF
+        seeds[rows] = seed32(st.seed)
         sample_index[rows] = np.arange(st.num_output_tokens, st.num_output_tokens + k + 1)
         want_logprobs |= p.logprobs is not None
         # Penalties and min_tokens' bans need the tokens before each row: the scheduler proposes

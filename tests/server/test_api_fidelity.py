@@ -21,8 +21,18 @@ def test_echo_with_logprobs_has_an_entry_for_every_prompt_token(client, server):
     assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
     assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    # A token-id prompt's echo is its decode, which drops the special token 2 that `tokens` shows.
-    assert r.choices[0].text == "".join(t for k, t in enumerate(lp.tokens) if k != 3)
+    # A token-id prompt's echo is its decode with its special tokens (2 here) kept, as vLLM's: the text
+    # every text_offset points into.
+    assert r.choices[0].text == "".join(lp.tokens)
+    assert all(r.choices[0].text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens))
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert r.choices[0].text.startswith(detok) and "".join(lp.tokens[:len(prompt)]) == detok
+    # Echoed prompt tokens hold `logprobs` alternatives (and their own), however many prompt_logprobs asks.
+    wide = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 5})
+    tops = wide.choices[0].logprobs.top_logprobs
+    assert tops[0] is None and all(1 <= len(t) <= 2 for t in tops[1:])
+    assert len(wide.choices[0].prompt_logprobs[1]) >= 5          # the prompt_logprobs field keeps all 5
     # The prompt entries are vLLM's prompt_logprobs for the same prompt.
     plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,
                                                              "prompt_logprobs": 2}).json()
@@ -116,6 +126,12 @@ def test_chat_echo_starts_each_choice_with_the_continued_message(client, server)
     assert prompt_tokens > 0 and all(c.usage.prompt_tokens == prompt_tokens for c in counted)
     assert [c.usage.completion_tokens for c in counted[:4]] == [0, 0, 0, 0] and counted[-1].usage.completion_tokens == 10
     assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in counted)
+    per_choice = {}     # each chunk counts its own choice's tokens (vLLM's), the last chunk the total
+    for c in counted[:-1]:
+        if c.choices and c.choices[0].delta.content and c.choices[0].delta.content != "The answer is":
+            assert c.usage.completion_tokens > per_choice.get(c.choices[0].index, 0)
+            per_choice[c.choices[0].index] = c.usage.completion_tokens
+    assert per_choice == {0: 5, 1: 5}
 
     parts = [{"type": "text", "text": "The answer"}, {"type": "text", "text": " is"}]
     listed = client.chat.completions.create(**{**kw, "messages": [messages[0], {"role": "assistant", "content": parts}]},
@@ -133,3 +149,24 @@ def test_chat_echo_starts_each_choice_with_the_continued_message(client, server)
                 == client.chat.completions.create(**asked).choices[0].message.content)
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={**asked, "echo": "maybe"})
     assert bad.status_code == 400 and "boolean" in bad.json()["error"]["message"]
+
+
+def test_stream_options_need_stream_and_seeds_are_64_bit(client, server):
+    """vLLM's checks: stream_options without stream is a 400, a seed past int64 is a 400; seeds that differ
+    only above bit 31 sample differently (they were masked to the same 32 bits)."""
+    from jaxserve.runner.inputs import seed32
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2,
+                                                         "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    for seed in (2**63, -2**63 - 1):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a b", "max_tokens": 2, "seed": seed})
+        assert r.status_code == 400 and "64 bits" in r.json()["error"]["message"], r.json()
+    texts = [client.completions.create(model="tiny", prompt="a b", max_tokens=8, temperature=1, seed=s,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+             for s in (5, 5 + 2**32, 5, 2**63 - 1)]
+    assert texts[0] == texts[2] and texts[1] != texts[0] and texts[3] not in (texts[0], texts[1])
+    top = client.completions.create(model="tiny", prompt="a b", max_tokens=8, temperature=1, seed=2**63 - 1, n=2,
+                                    extra_body={"ignore_eos": True})     # the sibling's seed wraps to -2**63
+    assert top.choices[0].text == texts[3] and top.choices[1].text != texts[3]
+    assert [seed32(s) for s in (0, 5, 2**32 - 1, -1)] == [0, 5, 2**32 - 1, 2**32 - 1]   # as before
+    assert seed32(5 + 2**32) == 4 and seed32(2**63 - 1) == 0x80000000

@@ -112,13 +112,23 @@ def test_non_streaming_n2_matches_the_script(scripted, tok, words):
 
 
 def test_continuous_usage_counts_the_tokens_so_far_in_every_chunk(scripted):
+    """vLLM's continuous usage: each chunk counts its own choice's tokens so far and its own prompt's;
+    the final usage chunk the totals. Without include_usage, no chunk carries usage."""
     engine, srv = scripted
-    chunks = sse(srv, "/v1/completions", {"prompt": [5, 6, 7], "n": 2, "max_tokens": 50, "stream": True,
-                                          "stream_options": {"include_usage": True,
-                                                             "continuous_usage_stats": True}})
-    completion = [c["usage"]["completion_tokens"] for c in chunks]
-    assert completion[:-1] == list(range(1, 10))     # one token per chunk, 3 + 6 in all
-    assert completion[-1] == 9 and all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+    body = {"prompt": [[5, 6, 7], [5, 6, 7, 8]], "n": 2, "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse(srv, "/v1/completions", body)
+    seen: dict[int, int] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        seen[choice["index"]] = seen.get(choice["index"], 0) + 1      # one token per chunk
+        assert c["usage"]["completion_tokens"] == seen[choice["index"]]
+        assert c["usage"]["prompt_tokens"] == (3 if choice["index"] < 2 else 4)
+        assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == sum(seen.values())
+    assert chunks[-1]["usage"]["prompt_tokens"] == 3 + 4       # each prompt once, as vLLM counts it
+    plain = sse(srv, "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c or c["usage"] is None for c in plain)
 
 
 def test_logprobs_text_offset_runs_across_chunks_and_echo_comes_first(scripted, tok, words):
