@@ -219,6 +219,12 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
 
+    @property
+    def prompt_only(self) -> bool:
+        """vLLM's `echo` with `max_tokens` 0: the prompt (and its logprobs) alone, nothing generated: how
+        scoring clients read a text's logprobs. The engine runs one token, which the response leaves out."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -234,8 +240,8 @@ class CompletionRequest(_SamplingFields):
         echoed = self.logprobs if self.echo and self.logprobs is not None else None
         if echoed is not None and self.prompt_logprobs is not None:
             echoed = max(echoed, self.prompt_logprobs)
-        return self._sampling_params(_max_tokens(self.max_tokens, "max_tokens", prompt_len, max_model_len),
-                                     self.logprobs, echoed)
+        return self._sampling_params(_max_tokens(1 if self.prompt_only else self.max_tokens, "max_tokens", prompt_len,
+                                                 max_model_len), self.logprobs, echoed)
 
 
 class ChatMessage(BaseModel):
@@ -520,15 +526,17 @@ def completion_response(req: CompletionRequest, outputs: list[RequestOutput], mo
         cached += out.num_cached_tokens
         prefix = echo_text(out, tokenizer) if req.echo else ""
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
+            token_ids, text = ([], "") if req.prompt_only else (c.token_ids, c.text)
+            completion_tokens += len(token_ids)
             lp = None
             if req.logprobs is not None:
                 lp = (completion_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, top_n=req.logprobs)
                       if req.echo else None)
-                new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, end_offset(lp))
+                new = completion_logprobs(tokenizer, token_ids, c.logprobs or [], end_offset(lp))
                 lp = new if lp is None else join_logprobs(lp, new)
-            choice = {"index": i * req.n + c.index, "text": prefix + c.text, "logprobs": lp,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            choice = {"index": i * req.n + c.index, "text": prefix + text, "logprobs": lp,
+                      "finish_reason": "length" if req.prompt_only else c.finish_reason,
+                      "stop_reason": None if req.prompt_only else c.stop_reason}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs)
             choices.append(choice)

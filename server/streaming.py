@@ -257,8 +257,9 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
                 pending_prompt_lps[i] += out.prompt_logprobs
             for c in out.outputs:
                 index = i * req.n + c.index
-                counts.completion += len(c.token_ids)
-                choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
+                token_ids, text = ([], "") if req.prompt_only else (c.token_ids, c.text)
+                counts.completion += len(token_ids)
+                choice_tokens[index] = choice_tokens.get(index, 0) + len(token_ids)
                 prefix, lp, first = "", None, index not in offsets
                 if first:
                     offsets[index] = 0
@@ -269,11 +270,14 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
                                                      top_n=req.logprobs)
                             offsets[index] = end_offset(lp)
                 if req.logprobs is not None:
-                    new = completion_logprobs(tokenizer, c.token_ids, c.logprobs, offsets[index])
+                    new = completion_logprobs(tokenizer, token_ids, c.logprobs or [], offsets[index])
                     offsets[index] = end_offset(new) or offsets[index]
                     lp = new if lp is None else join_logprobs(lp, new)
-                choice = {"index": index, "text": prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason}
+                if req.prompt_only and not (first or c.finish_reason):
+                    continue   # the one token run for it: nothing of it is sent
+                choice = {"index": index, "text": prefix + text, "logprobs": lp,
+                          "finish_reason": "length" if req.prompt_only and c.finish_reason else c.finish_reason,
+                          "stop_reason": None if req.prompt_only else c.stop_reason}
                 if first and req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i])
                 yield chunk([choice], i, index)

@@ -170,3 +170,25 @@ def test_stream_options_need_stream_and_seeds_are_64_bit(client, server):
     assert top.choices[0].text == texts[3] and top.choices[1].text != texts[3]
     assert [seed32(s) for s in (0, 5, 2**32 - 1, -1)] == [0, 5, 2**32 - 1, 2**32 - 1]   # as before
     assert seed32(5 + 2**32) == 4 and seed32(2**63 - 1) == 0x80000000
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, server):
+    """vLLM's scoring request: echo and max_tokens 0 give the prompt and its logprobs, nothing generated
+    (finish_reason "length", no completion tokens), streamed or not; without echo max_tokens 0 is a 400."""
+    prompt = "the quick brown fox"
+    r = client.completions.create(model="tiny", prompt=[prompt, "a b"], max_tokens=0, echo=True, logprobs=1,
+                                  n=2, temperature=1, seed=1)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == r.usage.total_tokens
+    for c in r.choices:
+        lp = c.logprobs
+        assert c.finish_reason == "length" and c.text == "".join(lp.tokens) and lp.token_logprobs[0] is None
+    assert [c.text for c in r.choices] == [prompt, prompt, "a b", "a b"]
+    assert r.usage.prompt_tokens == len(r.choices[0].logprobs.tokens) + len(r.choices[2].logprobs.tokens)   # once a prompt
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts == [prompt] and [c.choices[0].finish_reason for c in chunks if c.choices] == ["length"]
+    assert [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens] == r.choices[0].logprobs.tokens
+    assert chunks[-1].usage.completion_tokens == 0
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
