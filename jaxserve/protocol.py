@@ -211,6 +211,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True          # vLLM's: the tokenizer's specials (e.g. BOS) around a text prompt
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -259,6 +260,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the model continues the last message (no end of turn)
     echo: bool = False                       # vLLM's: each choice starts with the last message's text (see `echoed`)
+    add_special_tokens: bool = False         # vLLM's: the template writes the specials; True adds the tokenizer's too
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -590,14 +592,14 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model
         req.check_tools(tool_parser)
         limits.check(req, 1)
         text = req.render(tokenizer)
-        pairs = [(text, tokenizer.encode(text, add_special_tokens=False))]
+        pairs = [(text, tokenizer.encode(text, add_special_tokens=req.add_special_tokens))]
     else:
         prompts = req.prompts()
         limits.check(req, len(prompts))      # before tokenizing any of them
         pairs = []
         for p in prompts:
             if isinstance(p, str):
-                pairs.append((p, tokenizer.encode(p)))
+                pairs.append((p, tokenizer.encode(p, add_special_tokens=req.add_special_tokens)))
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
                 pairs.append((None, p))
             else:

@@ -56,6 +56,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -182,7 +183,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
             chat = parse(ChatCompletionRequest, {**t.model_dump(exclude_none=True),
                                                  "tool_choice": "none" if t.tools else None})
             text = await asyncio.to_thread(chat.render, tok)
-            ids = tok.encode(text, add_special_tokens=False)      # as the chat route encodes it
+            ids = tok.encode(text, add_special_tokens=t.add_special_tokens)      # as the chat route encodes it
         else:
             t = parsed(body, TokenizeCompletionRequest)
             ids = tok.encode(t.prompt, add_special_tokens=t.add_special_tokens)

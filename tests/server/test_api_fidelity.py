@@ -192,3 +192,41 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, server):
     assert chunks[-1].usage.completion_tokens == 0
     bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_add_special_tokens_reaches_the_tokenizer_as_vllm_defaults_it():
+    """Completions add the tokenizer's specials to a text prompt unless told not to; chat does not unless
+    told to (its template writes them). The tiny tokenizer adds none, so a recording one stands in."""
+    from jaxserve.protocol import ChatCompletionRequest, CompletionRequest, prepare
+
+    class Recording:
+        eos_token_ids = (2,)
+
+        def __init__(self):
+            self.calls = []
+
+        def encode(self, text, add_special_tokens=True):
+            self.calls.append(add_special_tokens)
+            return ([1] if add_special_tokens else []) + [7] * len(text.split())
+
+        def apply_chat_template(self, messages, **kw):
+            return " ".join(m["content"] for m in messages)
+
+    tok = Recording()
+    for body, want in (({}, True), ({"add_special_tokens": False}, False)):
+        (prompt, _), = prepare(CompletionRequest(prompt="a b", max_tokens=1, **body), tok, 64)
+        assert prompt["prompt_token_ids"] == ([1] if want else []) + [7, 7] and tok.calls[-1] is want
+    messages = [{"role": "user", "content": "hi there"}]
+    for body, want in (({}, False), ({"add_special_tokens": True}, True)):
+        prepare(ChatCompletionRequest(messages=messages, max_tokens=1, **body), tok, 64)
+        assert tok.calls[-1] is want
+
+
+def test_add_special_tokens_is_accepted_on_every_route_that_tokenizes(server):
+    for path, body in (("/v1/completions", {"prompt": "a b", "max_tokens": 1, "add_special_tokens": False}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                 "add_special_tokens": True}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}),
+                       ("/tokenize", {"prompt": "a b", "add_special_tokens": False})):
+        r = httpx.post(f"{server.url}{path}", json=body)
+        assert r.status_code == 200, (path, r.text)
