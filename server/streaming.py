@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -54,8 +55,21 @@ def as_request_error(e: BaseException, request_id: str | None = None, *, admitte
     if isinstance(e, (QueueFullError, EngineDeadError)):
         return RequestError(str(e), status=503, type="service_unavailable")
     if isinstance(e, ValueError) and not admitted:
-        return RequestError(str(e))
+        return RequestError(str(e), param=_param_of(str(e)))
     return internal_error(e, request_id)
+
+
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+_LEADING_NAME = re.compile(r"([a-z_]+)(?:=|\s)")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine check's message starts with ("logprobs=30 exceeds ...", "stop_token_ids has
+    ..."), "prompt" for the prompt's own checks, else None."""
+    if message.startswith(("prompt token id", "the prompt is empty")):
+        return "prompt"
+    m = _LEADING_NAME.match(message)
+    return m[1] if m and m[1] in _FIELDS else None
 
 
 def internal_error(e: BaseException, request_id: str | None = None) -> RequestError:

@@ -230,3 +230,16 @@ def test_add_special_tokens_is_accepted_on_every_route_that_tokenizes(server):
                        ("/tokenize", {"prompt": "a b", "add_special_tokens": False})):
         r = httpx.post(f"{server.url}{path}", json=body)
         assert r.status_code == 200, (path, r.text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [600, 1]}, "prompt"),                                   # past the tiny vocabulary (512)
+    ({"prompt": "a", "logit_bias": {"600": 1}}, "logit_bias"),
+    ({"prompt": "a", "stop_token_ids": [600]}, "stop_token_ids"),
+    ({"prompt": "a", "allowed_token_ids": [600]}, "allowed_token_ids"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "logprobs": 10**6}, "logprobs"),
+])
+def test_the_engines_400s_name_their_parameter(server, body, param):
+    r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 1, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
