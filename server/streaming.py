@@ -188,7 +188,13 @@ async def finals(streams: list[RequestStream], metrics: ServerMetrics) -> list[R
             pass
         metrics.observe(out.metrics)
         return out
-    return list(await asyncio.gather(*(last(s) for s in streams)))
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:   # one failed (or the client left): the others' waits end here, not at garbage collection
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---- streaming -------------------------------------------------------------------------

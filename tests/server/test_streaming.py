@@ -285,3 +285,33 @@ def test_step_timeout_makes_health_503_and_fails_the_request(tok, words):
     finally:
         srv.stop()
         asyncio.run(asyncio.sleep(3))   # let the hung step end before the engine is dropped
+
+
+def test_finals_stops_waiting_on_the_other_prompts_when_one_fails():
+    """A request of several prompts whose first fails: the others' waits end with it (they were left
+    suspended until garbage collection)."""
+    from server.streaming import finals
+
+    class Metrics:
+        def observe(self, _):
+            pass
+
+    left = []
+
+    async def failing():
+        raise ValueError("the first prompt failed")
+        yield   # an async generator
+
+    async def waiting():
+        try:
+            await asyncio.Event().wait()
+            yield
+        finally:
+            left.append("closed")
+
+    async def main():
+        with pytest.raises(ValueError, match="the first prompt failed"):
+            await finals([failing(), waiting(), waiting()], Metrics())
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == [] and left == ["closed", "closed"]
