@@ -391,7 +391,10 @@ class Scheduler:
         if not candidates:
             return None
         if self.config.policy == "priority":
-            victim = max(candidates, key=lambda r: (r.priority, r.arrival_time))
+            # The least important, latest arrived; among equals (n>1 siblings share both) the one admitted
+            # last, as FCFS picks: the first in `running` preempting itself would let equals preempt each
+            # other in turn forever.
+            victim = max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
         else:
             victim = candidates[-1]
         return None if victim is request and ending else victim

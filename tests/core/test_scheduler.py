@@ -133,6 +133,19 @@ def test_priority_policy_admits_and_preempts_by_priority():
     assert preempted == {"low"}
 
 
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_equal_requests_that_cannot_both_fit_do_not_preempt_each_other_forever(policy):
+    """n>1 siblings share their priority and arrival time; when the pool holds one but not both, the
+    one admitted last yields (under priority the first in `running` preempted itself, in turn forever)."""
+    from jaxserve.core import Request
+    s, r = make_scheduler(policy=policy, max_model_len=64, max_num_batched_tokens=4, max_num_seqs=2, block_size=1,
+                          num_blocks=11, enable_prefix_caching=False, long_prefill_token_threshold=3)
+    for i in range(2):
+        s.add_request(Request(f"{i}_r", [7] * 9 + [0], SamplingParams(max_tokens=1), arrival_time=1.0))
+    results, steps = run_until_done(s, r, max_steps=200)
+    assert sorted(results) == ["0_r", "1_r"] and steps < 50 and s.num_preemptions <= 2
+
+
 @pytest.mark.parametrize("when", ["waiting", "mid_prefill", "decoding"])
 def test_abort_at_any_point_frees_everything(when):
     s, r = make_scheduler(max_num_batched_tokens=8)
