@@ -155,6 +155,7 @@ class KVLoad:
     params: KVTransferParams
     first_block: int
     block_ids: list[int]
+    serial: int = -1     # the Request's: a pull that lands after its request ended never serves a new one of its id
 
 
 @dataclasses.dataclass

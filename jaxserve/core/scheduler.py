@@ -303,7 +303,8 @@ class Scheduler:
         target = blocks_to_load(request.num_prompt_tokens, bs, kv.num_full_blocks, num_local)
         request.kv_load_pending = False
         if target == num_local:
-            self._kv_loads.append(KVLoad(request.request_id, kv, num_local, []))   # only releases the export
+            self._kv_loads.append(KVLoad(request.request_id, kv, num_local, [],    # only releases the export
+                                         serial=request.serial))
             return False
         if self.kv.allocate_slots(request, target * bs - num_computed, computed_blocks, num_computed,
                                   cache=False) is None:
@@ -316,7 +317,7 @@ class Scheduler:
             self.kv.record_prefix_lookup(request.num_tokens, num_computed)
         self.loading[request.request_id] = request
         self._kv_loads.append(KVLoad(request.request_id, kv, num_local,
-                                     self.kv.get_block_ids(request.request_id)[num_local:target]))
+                                     self.kv.get_block_ids(request.request_id)[num_local:target], serial=request.serial))
         return True
 
     def finish_kv_load(self, request_id: str, ok: bool) -> bool:

@@ -446,8 +446,11 @@ class LLMEngine:
         outputs = []
         for r in results:
             scheduler, runner = r.replica.scheduler, r.replica.runner
-            if r.load.request_id not in scheduler.loading:
-                continue    # aborted while its pull ran: its blocks may belong to another request now
+            parked = scheduler.loading.get(r.load.request_id)
+            if parked is None or parked.serial != r.load.serial:
+                # aborted while its pull ran (its blocks may belong to another request now), perhaps
+                # followed by a new request of the same id (a client's retry) with a pull of its own
+                continue
             error = r.error
             if error is None:
                 try:

@@ -262,3 +262,59 @@ def test_a_producer_request_that_fails_leaves_no_export(pair, monkeypatch):
               kv_transfer=KVTransferParams(role="produce", transfer_id="t-fails"))
     assert "InjectedFault" in out.error and out.kv_transfer_params is None
     assert len(producer.exports) == 0      # nothing gathered for a consumer that will never pull it
+
+
+def test_a_pull_landing_after_its_request_ended_does_not_serve_a_new_request_of_its_id(tiny_models):
+    """A client's retry reuses the request id (the gRPC API takes the client's): the aborted request's
+    pull, landing late, must neither be written nor mark the new request's own pull done (it was
+    written into the freed blocks, and the new request ran on blocks nothing had written)."""
+    from jaxserve.core import Request
+    from jaxserve.engine.kv_connector import PullResult
+
+    engine = LLMEngine.from_kwargs(str(tiny_models["llama"]), kv_role="consumer",
+                                   **{**TINY_ENGINE_OPTIONS, "num_kv_blocks": 9})
+    engine.kv_connector.close()
+
+    class HeldPulls:       # the connector, with each pull held until the test delivers it
+        def __init__(self):
+            self.started, self.results = [], []
+        num_pending = property(lambda self: len(self.started))
+        def watch(self, *a): pass
+        def unwatch(self, *a): pass
+        def release(self, *a): pass
+        def start(self, replica, load): self.started.append((replica, load))
+        def done(self, timeout=0.0):
+            out, self.results = self.results, []
+            return out
+        def deliver(self, load, marker):
+            replica = next(r for r, held in self.started if held is load)
+            self.started = [(r, held) for r, held in self.started if held is not load]
+            payload = np.full((len(load.block_ids), *replica.runner.kv_block_shape), marker, np.float32)
+            self.results.append(PullResult(replica, load, payload))
+
+    engine.kv_connector = held = HeldPulls()
+    ids = prompt(100)
+    probe = Request("probe", ids, SamplingParams())
+    probe.update_block_hashes(16)
+
+    def kv(transfer_id):
+        return KVTransferParams(role="consume", transfer_id=transfer_id, producer_address="producer:1",
+                                num_full_blocks=6, block_hashes=probe.block_hashes[:6], block_size=16,
+                                compat_hash=engine.compat_hash)
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("x", ids, params, kv_transfer=kv("t-old"))
+    engine.step()
+    old = held.started[0][1]
+    engine.abort_request("x")
+    engine.add_request("x", ids, params, kv_transfer=kv("t-new"))
+    engine.step()
+    new = held.started[-1][1]
+    held.deliver(old, 1.0)
+    engine.step()
+    assert "x" in engine.scheduler.loading                       # still waiting for its own pull
+    held.deliver(new, 2.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for block in new.block_ids:                                  # its pull's data, all of it
+        assert (engine.runner.gather_blocks([block]) == 2.0).all()
