@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.num_requests} x {args.output_len} tokens, {args.dtype}: wall {wall:.2f} s, CPU {cpu:.2f} s on "
           f"{cores} cores ({cpu / (cores * wall):.0%} busy), the calling thread {thread:.2f} s")
     if perf is not None:
+        if perf.returncode not in (0, -signal.SIGINT) or not Path(args.perf).is_file():
+            raise SystemExit(f"profile_workload: perf record failed (exit {perf.returncode}); is perf allowed here "
+                             "(kernel.perf_event_paranoid)?")
         print(f"perf data in {args.perf}: perf report -i {args.perf} --no-children --sort sym")
     return 0
 

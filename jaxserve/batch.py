@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.protocol import (ENDPOINTS, ChatCompletionRequest, RequestError, chat_response,
-                               completion_response, parse, prepare)
+                               completion_response, param_of, parse, prepare)
 
 IN_FLIGHT_PER_SEQ = 4   # default max_in_flight per running-sequence slot: the waiting queue refills them
 
@@ -196,7 +196,7 @@ class _Job:
                                         cache_salt=line.request.cache_salt)
         except ValueError as e:   # limits only the engine knows (logprobs, vocabulary)
             self.engine.abort_request(ids[:-1])
-            self._refused(line.custom_id, line.request_id, RequestError(str(e)))
+            self._refused(line.custom_id, line.request_id, RequestError(str(e), param=param_of(str(e))))
             return
         self.pending.update((eid, line) for eid in ids)
 

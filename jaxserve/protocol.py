@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -181,7 +182,7 @@ class _SamplingFields(BaseModel):
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        if self.stream_options is not None and not self.stream:   # vLLM's and OpenAI's 400
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:   # vLLM's 400
             raise RequestError("stream_options can only be given when stream is true", param="stream_options")
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -449,6 +450,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_LEADING_NAME = re.compile(r"([a-z_]+)(?:=|\s)")
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine check's message starts with ("logprobs=30 exceeds ...", "stop_token_ids has
+    ..."), "prompt" for the prompt's own checks, else None: the `param` of its 400."""
+    if message.startswith(("prompt token id", "the prompt is empty")):
+        return "prompt"
+    m = _LEADING_NAME.match(message)
+    return m[1] if m and m[1] in (CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys()) \
+        else None
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -459,7 +473,7 @@ def _top(lps: dict[int, float], token_id: int, top_n: int | None) -> dict[int, f
     """The token's own entry and the best `top_n` (all with None): an echoed prompt token's logprobs
     come from `max(logprobs, prompt_logprobs)`, but its top_logprobs hold `logprobs` as a generated
     token's do."""
-    if top_n is None or len(lps) <= top_n + 1:
+    if top_n is None or len(lps) <= top_n:
         return lps
     keep = {t for t, _ in sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]} | {token_id}
     return {t: lp for t, lp in lps.items() if t in keep}
@@ -493,13 +507,16 @@ def join_logprobs(a: dict, b: dict) -> dict:
     return {key: a[key] + b[key] for key in a}
 
 
-def prompt_logprobs_json(tokenizer, logprobs: list[dict[int, float] | None] | None) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, decoded_token}}."""
+def prompt_logprobs_json(tokenizer, logprobs: list[dict[int, float] | None] | None, token_ids: list[int] | None = None,
+                         top_n: int | None = None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, decoded_token}};
+    with `top_n`, each token's own entry and the best top_n (the engine ran max(logprobs, prompt_logprobs))."""
     if logprobs is None:
         return None
+    ids = token_ids if token_ids is not None and top_n is not None else [None] * len(logprobs)
     return [None if lps is None else
             {str(t): {"logprob": lp, "decoded_token": tokenizer.decode([t], skip_special_tokens=False)}
-             for t, lp in lps.items()} for lps in logprobs]
+             for t, lp in (lps if tid is None else _top(lps, tid, top_n)).items()} for tid, lps in zip(ids, logprobs)]
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:
@@ -512,6 +529,12 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, floa
             "top_logprobs": [{"token": (s := tokenizer.decode([t], skip_special_tokens=False)), "logprob": lp,
                               "bytes": list(s.encode())} for t, lp in top]})
     return {"content": content}
+
+
+def prompt_only_finish(reason: str | None) -> str | None:
+    """An echo with max_tokens 0 ends at its length (the one token run for it, however it ended), unless it
+    was aborted or failed."""
+    return "length" if reason in ("length", "stop") else reason
 
 
 def echo_text(out: RequestOutput, tokenizer) -> str:
@@ -537,10 +560,11 @@ def completion_response(req: CompletionRequest, outputs: list[RequestOutput], mo
                 new = completion_logprobs(tokenizer, token_ids, c.logprobs or [], end_offset(lp))
                 lp = new if lp is None else join_logprobs(lp, new)
             choice = {"index": i * req.n + c.index, "text": prefix + text, "logprobs": lp,
-                      "finish_reason": "length" if req.prompt_only else c.finish_reason,
+                      "finish_reason": prompt_only_finish(c.finish_reason) if req.prompt_only else c.finish_reason,
                       "stop_reason": None if req.prompt_only else c.stop_reason}
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs, out.prompt_token_ids,
+                                                                 req.prompt_logprobs)
             choices.append(choice)
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}

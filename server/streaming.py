@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -31,8 +30,8 @@ from jaxserve.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFul
                                           RequestStream)
 from jaxserve.outputs import RequestOutput
 from jaxserve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_logprobs,
-                               completion_logprobs, echo_text, end_offset, join_logprobs, new_id,
-                               prompt_logprobs_json, usage)
+                               completion_logprobs, echo_text, end_offset, join_logprobs, new_id, param_of,
+                               prompt_logprobs_json, prompt_only_finish, usage)
 from jaxserve.tool_parsers import HermesStream, ToolParser, finish_reason
 from server.metrics import ServerMetrics
 
@@ -55,21 +54,10 @@ def as_request_error(e: BaseException, request_id: str | None = None, *, admitte
     if isinstance(e, (QueueFullError, EngineDeadError)):
         return RequestError(str(e), status=503, type="service_unavailable")
     if isinstance(e, ValueError) and not admitted:
-        return RequestError(str(e), param=_param_of(str(e)))
+        return RequestError(str(e), param=param_of(str(e)))
     return internal_error(e, request_id)
 
 
-_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
-_LEADING_NAME = re.compile(r"([a-z_]+)(?:=|\s)")
-
-
-def _param_of(message: str) -> str | None:
-    """The request field an engine check's message starts with ("logprobs=30 exceeds ...", "stop_token_ids has
-    ..."), "prompt" for the prompt's own checks, else None."""
-    if message.startswith(("prompt token id", "the prompt is empty")):
-        return "prompt"
-    m = _LEADING_NAME.match(message)
-    return m[1] if m and m[1] in _FIELDS else None
 
 
 def internal_error(e: BaseException, request_id: str | None = None) -> RequestError:
@@ -243,6 +231,12 @@ class _Usage:
         return usage(self.prompt, self.completion, self.cached)
 
 
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """A chunk's continuous usage: the counts so far (the cached tokens are known once the request ends)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def _usage_flags(req) -> tuple[bool, bool]:
     """(a final usage chunk, usage in every chunk): vLLM's continuous usage needs include_usage too."""
     opts = req.stream_options
@@ -264,7 +258,7 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
     def chunk(choices, i: int, index: int):
         c = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if continuous:   # vLLM's: the chunk's own prompt and choice
-            c["usage"] = usage(prompt_tokens[i], choice_tokens[index], 0)
+            c["usage"] = _running_usage(prompt_tokens[i], choice_tokens[index])
         return c
 
     async with contextlib.aclosing(merge(streams)) as merged:
@@ -296,10 +290,11 @@ async def completion_chunks(req: CompletionRequest, streams: list[RequestStream]
                 if req.prompt_only and not (first or c.finish_reason):
                     continue   # the one token run for it: nothing of it is sent
                 choice = {"index": index, "text": prefix + text, "logprobs": lp,
-                          "finish_reason": "length" if req.prompt_only and c.finish_reason else c.finish_reason,
+                          "finish_reason": prompt_only_finish(c.finish_reason) if req.prompt_only else c.finish_reason,
                           "stop_reason": None if req.prompt_only else c.stop_reason}
                 if first and req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i])
+                    choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, pending_prompt_lps[i],
+                                                                     out.prompt_token_ids, req.prompt_logprobs)
                 yield chunk([choice], i, index)
             if out.finished:
                 counts.cached += out.num_cached_tokens
@@ -323,7 +318,7 @@ async def chat_chunks(req: ChatCompletionRequest, streams: list[RequestStream], 
     def chunk(choices):
         c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
         if continuous:   # vLLM's: the prompt and the chunk's own choice (the role chunks count the prompt too)
-            c["usage"] = usage(counts.prompt, choice_tokens[choices[0]["index"]], 0)
+            c["usage"] = _running_usage(counts.prompt, choice_tokens[choices[0]["index"]])
         return c
 
     counts.prompt = stream.num_prompt_tokens or 0

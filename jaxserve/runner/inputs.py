@@ -198,9 +198,13 @@ def prepare_prompt_logprobs(scheduled: list[tuple[RequestState, int]], *,
 
 
 def seed32(seed: int) -> int:
-    """A 64-bit seed folded into the sampler's 32 bits: its high word XOR-ed into its low one, so seeds
-    that differ only above bit 31 stay different (a seed below 2**32 is itself)."""
-    return (seed ^ (seed >> 32)) & 0xFFFFFFFF if seed >= 2**32 else seed & 0xFFFFFFFF
+    """A 64-bit seed folded into the sampler's 32 bits. A seed in [-2**32, 2**32) keeps its low 32 bits,
+    as before 64-bit seeds; past it the high word, mixed by a multiply with an odd constant, is XOR-ed
+    into the low one, so seeds that differ only above bit 31 differ (and 2**32 + k is not k's neighbour)."""
+    if -2**32 <= seed < 2**32:
+        return seed & 0xFFFFFFFF
+    high = (seed >> 32) & 0xFFFFFFFF
+    return (seed & 0xFFFFFFFF) ^ (high * 0x9E3779B1 & 0xFFFFFFFF)
 
 
 def prepare_inputs(

@@ -32,7 +32,20 @@ def test_echo_with_logprobs_has_an_entry_for_every_prompt_token(client, server):
                                       extra_body={"prompt_logprobs": 5})
     tops = wide.choices[0].logprobs.top_logprobs
     assert tops[0] is None and all(1 <= len(t) <= 2 for t in tops[1:])
-    assert len(wide.choices[0].prompt_logprobs[1]) >= 5          # the prompt_logprobs field keeps all 5
+    assert 5 <= len(wide.choices[0].prompt_logprobs[1]) <= 6     # the prompt_logprobs field keeps its 5
+    # logprobs 1 with prompt_logprobs 2: a prompt token among its own best keeps one alternative (itself).
+    near = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=1,
+                                      temperature=0, extra_body={"prompt_logprobs": 2})
+    plp = near.choices[0].prompt_logprobs
+    for k, top in enumerate(near.choices[0].logprobs.top_logprobs[1:len(prompt)], start=1):
+        ranked = sorted(plp[k].items(), key=lambda kv: -kv[1]["logprob"])
+        own_best = ranked[0][0] == str(prompt[k])
+        assert len(top) == (1 if own_best else 2)
+    # logprobs 5 with prompt_logprobs 1: the prompt_logprobs field holds 1 (and the token's own).
+    both = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True, logprobs=5,
+                                      temperature=0, extra_body={"prompt_logprobs": 1})
+    assert all(1 <= len(e) <= 2 for e in both.choices[0].prompt_logprobs[1:])
+    assert max(len(t) for t in both.choices[0].logprobs.top_logprobs[1:len(prompt)]) >= 5
     # The prompt entries are vLLM's prompt_logprobs for the same prompt.
     plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,
                                                              "prompt_logprobs": 2}).json()
@@ -168,8 +181,9 @@ def test_stream_options_need_stream_and_seeds_are_64_bit(client, server):
     top = client.completions.create(model="tiny", prompt="a b", max_tokens=8, temperature=1, seed=2**63 - 1, n=2,
                                     extra_body={"ignore_eos": True})     # the sibling's seed wraps to -2**63
     assert top.choices[0].text == texts[3] and top.choices[1].text != texts[3]
-    assert [seed32(s) for s in (0, 5, 2**32 - 1, -1)] == [0, 5, 2**32 - 1, 2**32 - 1]   # as before
-    assert seed32(5 + 2**32) == 4 and seed32(2**63 - 1) == 0x80000000
+    assert [seed32(s) for s in (0, 5, 2**32 - 1, -1, -5)] == [0, 5, 2**32 - 1, 2**32 - 1, 2**32 - 5]   # as before
+    far = [5 + 2**32, 4 + 2**32, -5 - 2**40, -1 - 2**32, 2**63 - 1, -2**63]
+    assert len({seed32(s) for s in far} | {seed32(s) for s in (4, 5, -5, -1)}) == len(far) + 4
 
 
 def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, server):
@@ -243,3 +257,11 @@ def test_add_special_tokens_is_accepted_on_every_route_that_tokenizes(server):
 def test_the_engines_400s_name_their_parameter(server, body, param):
     r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 1, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+
+
+def test_top_keeps_the_token_and_the_best_n():
+    from jaxserve.protocol import _top
+    assert _top({10: -0.1, 11: -2.0}, 10, 1) == {10: -0.1}                  # its own is the best: one entry
+    assert _top({10: -3.0, 11: -0.1, 12: -2.0}, 10, 1) == {10: -3.0, 11: -0.1}
+    assert _top({10: -3.0, 11: -0.1, 12: -2.0}, 10, 2) == {10: -3.0, 11: -0.1, 12: -2.0}
+    assert _top({10: -3.0, 11: -0.1}, 10, None) == {10: -3.0, 11: -0.1}
