@@ -325,6 +325,10 @@ class ChatCompletionRequest(_SamplingFields):
     def render(self, tokenizer) -> str:
         """The prompt text the chat template renders (what /tokenize with these fields counts)."""
         kwargs = dict(self.chat_template_kwargs or {})
+        named = {"messages", "add_generation_prompt", "tools", "continue_final_message"} & kwargs.keys()
+        if named:    # the request's own fields: set them there (the template's call would get two values)
+            raise RequestError(f"chat_template_kwargs may not set {', '.join(sorted(named))}: it is a field of "
+                               "the request itself", param="chat_template_kwargs")
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError("continue_final_message needs add_generation_prompt=false (continuing the last "
                                "message and opening a new one are two different prompts)",

@@ -265,3 +265,16 @@ def test_top_keeps_the_token_and_the_best_n():
     assert _top({10: -3.0, 11: -0.1, 12: -2.0}, 10, 1) == {10: -3.0, 11: -0.1}
     assert _top({10: -3.0, 11: -0.1, 12: -2.0}, 10, 2) == {10: -3.0, 11: -0.1, 12: -2.0}
     assert _top({10: -3.0, 11: -0.1}, 10, None) == {10: -3.0, 11: -0.1}
+
+
+def test_chat_template_kwargs_may_not_set_the_requests_own_fields(server):
+    for name in ("add_generation_prompt", "messages", "tools", "continue_final_message"):
+        for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+            r = httpx.post(f"{server.url}{path}", json={"messages": [{"role": "user", "content": "hi"}], **extra,
+                                                        "chat_template_kwargs": {name: False}})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "chat_template_kwargs", (path, name, error)
+            assert name in error["message"] and "Tokenizer" not in error["message"]
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 1, "chat_template_kwargs": {"x": 1}})
+    assert ok.status_code == 200
