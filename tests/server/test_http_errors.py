@@ -194,7 +194,7 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"prompt": "hi", "top_k": 10**10, "max_tokens": 2}, 200, None),           # keeps the whole vocab: no cut
-    ({"prompt": "hi", "stop_token_ids": [2**32], "max_tokens": 2}, 400, None),
+    ({"prompt": "hi", "stop_token_ids": [2**32], "max_tokens": 2}, 400, "stop_token_ids"),
     ({"prompt": "hi", "n": 129}, 400, "n"),
     ({"prompt": "hi", "logit_bias": {"5": 10, "0": -100}, "max_tokens": 2}, 200, None),
     ({"prompt": "hi", "logit_bias": {"five": 10}}, 400, "logit_bias"),
@@ -202,13 +202,13 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "logit_bias": {"1" * 5000: 10}}, 400, "logit_bias"),               # past int()'s digits
     ({"prompt": "hi", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
-    ({"prompt": "hi", "logit_bias": {"4096": 1}}, 400, None),                           # past the vocabulary
+    ({"prompt": "hi", "logit_bias": {"4096": 1}}, 400, "logit_bias"),                   # past the vocabulary
     ({"prompt": "hi", "logit_bias": {"5": "high"}}, 400, None),
     ({"prompt": "hi", "allowed_token_ids": [5, 6], "max_tokens": 2}, 200, None),
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [-5]}, 400, "allowed_token_ids"),
-    ({"prompt": "hi", "allowed_token_ids": [5, 4096]}, 400, None),                      # past the vocabulary
-    ({"prompt": "hi", "allowed_token_ids": [5] * 600}, 400, None),                      # more ids than tokens
+    ({"prompt": "hi", "allowed_token_ids": [5, 4096]}, 400, "allowed_token_ids"),       # past the vocabulary
+    ({"prompt": "hi", "allowed_token_ids": [5] * 600}, 400, "allowed_token_ids"),       # more ids than tokens
     ({"prompt": "hi", "bad_words": ["the", " cat"], "max_tokens": 2}, 200, None),
     ({"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
@@ -216,7 +216,7 @@ def test_dead_engine_is_503_everywhere(tiny_llm_engine):
     ({"prompt": "hi", "bad_words": ["w"] * 129}, 400, "bad_words"),
     ({"prompt": "hi", "bad_words": ["w" * 257]}, 400, "bad_words"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ({"prompt": "hi", "priority": 3}, 400, None),                               # needs the priority policy
+    ({"prompt": "hi", "priority": 3}, 400, "priority"),                         # needs the priority policy
 ])
 def test_out_of_range_values_fail_only_their_request(server, body, status, param):
     r = post(server, "/v1/completions", body)
