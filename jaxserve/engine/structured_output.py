@@ -131,7 +131,10 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
             raise ValueError(f"invalid JSON schema: not JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("invalid JSON schema: a schema is a JSON object (or true / false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
+        if schema is False:
+            raise ValueError("invalid JSON schema: false matches no value, so nothing could be generated")
+        # true is {} (any JSON value) in the object form the layout options need
+        return llguidance.LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=_JSON_LAYOUT)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
     if kind == "choice":

@@ -278,3 +278,16 @@ def test_chat_template_kwargs_may_not_set_the_requests_own_fields(server):
     ok = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                "max_tokens": 1, "chat_template_kwargs": {"x": 1}})
     assert ok.status_code == 200
+
+
+def test_a_json_schema_of_true_means_any_json_and_false_is_refused(server):
+    """JSON Schema's boolean schemas: true accepts any value (as {}), false none (llguidance's layout
+    options need an object schema: true was a 400 quoting llguidance)."""
+    def ask(schema):
+        return httpx.post(f"{server.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    ok = ask(True)
+    assert ok.status_code == 200, ok.text
+    r = ask(False)
+    assert r.status_code == 400 and "false matches no value" in r.json()["error"]["message"]
