@@ -127,7 +127,6 @@ else
     echo "[device_check] install (box ${INSTALL_BUDGET_S} s): $INSTALL_CMD"
     export VENV EXTRAS BASE_PYTHON DEFAULT_MODEL_PACKAGE OFFLINE REPO
     if [[ -n "$OFFLINE" ]]; then
-        # The bundle's wheels into its site folder, and a python3 that puts it and the repository first.
         # The bundle's wheels into its site folder (never JAX: the image's jaxlib and plugin go with its jax).
         STEPS='
             rm -rf "$OFFLINE/site"
@@ -184,7 +183,6 @@ RC=0
     --install-json "$OUT/install.json" --started "$STARTED" \
     --command "bash benchmarks/device_check.sh ${ARGS[*]}" || RC=$?
 if [[ -n "$PACK" ]]; then   # three files: the report twice over and one archive of everything
-    mkdir -p "$PACK"
     for f in device_check.json device_check.md; do [[ -f "$OUT/$f" ]] && cp "$OUT/$f" "$PACK/"; done
     tar czf "$PACK/device_check_files.tgz" -C "$OUT" .
     echo "[device_check] packed into $PACK: device_check.json, device_check.md, device_check_files.tgz"

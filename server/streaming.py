@@ -58,8 +58,6 @@ def as_request_error(e: BaseException, request_id: str | None = None, *, admitte
     return internal_error(e, request_id)
 
 
-
-
 def internal_error(e: BaseException, request_id: str | None = None) -> RequestError:
     """A 500 that tells the client only an id; the details go to the log under that id (a request
     that failed in the engine: its traceback is there already, under the engine's id)."""
