@@ -157,6 +157,24 @@ def run_jaxserve(prompts, dtype: str, output_len: int, max_len: int, one_at_a_ti
             "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+def machine(cpuinfo: str | None = None) -> dict:
+    """The machine the numbers come from: the CPU's model name, the cores this process may use, and
+    the path jaxserve's native matmuls take on it (AMX tiles where the CPU has them, else AVX-512
+    BF16 vectors, else XLA's dots). The ratios differ from one CPU to the next (benchmarks/RESULTS.md)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+             if line.startswith("model name") and ":" in line]
+    from kernels_pallas import native_cpu
+    path = ("AMX tiles" if native_cpu.gemm_amx() else "AVX-512 BF16 vectors" if native_cpu.gemm_available()
+            else "XLA dots")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": names[0] if names else "unknown", "cores": cores, "native_matmuls": path}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=tuple(WORKLOADS), default="random")
@@ -191,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{dtype}: jaxserve {ours['seconds']:.1f} s, {peer} {vllm['seconds']:.1f} s, "
               f"ratio {rows[-1]['ratio']:.2f}, identical outputs {same}/{len(prompts)}", flush=True)
     total_out = len(prompts) * output_len
-    print(f"\nworkload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+    host = machine()
+    print(f"\nmachine: {host['cpu']}, {host['cores']} cores, jaxserve's native matmuls on {host['native_matmuls']}")
+    print(f"workload {args.workload}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{output_len} output tokens each (greedy, EOS ignored)")
     print(f"| jaxserve dtype | {peer} s (out tok/s) | jaxserve s (out tok/s) | jaxserve / peer | identical outputs |")
     print("|---|---:|---:|---:|---:|")
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['jaxserve_seconds']:.1f} ({total_out / r['jaxserve_seconds']:.0f}) | {r['ratio']:.2f} | "
               f"{r['identical_outputs']}/{r['requests']} |")
     if args.result_file:
-        Path(args.result_file).write_text(json.dumps({"workload": args.workload, "rows": rows}, indent=1))
+        Path(args.result_file).write_text(json.dumps({"workload": args.workload, "machine": host, "rows": rows}, indent=1))
     return 0
 
 
