@@ -119,6 +119,10 @@ class Tokenizer:
         if eos_id is not None:
             eos.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))  # ordered, unique
+        # The tokenizer's own EOS (None without one). A sequence that ends on one of the other ids
+        # (a generation config's extra EOS ids, e.g. Llama 3's <|eom_id|> beside <|eot_id|>) reports
+        # that id as its stop_reason, as vLLM treats those ids as stop_token_ids.
+        self.eos_token_id: int | None = eos_id
         bos_id = self.token_to_id(self.special_tokens.get("bos_token"))
         self.bos_token_id: int | None = bos_id if bos_id is not None else bos_token_id
 

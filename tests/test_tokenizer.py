@@ -139,6 +139,7 @@ def test_encode_decode_by_hand(tok):
 def test_special_token_ids(tok):
     # generation_config's [2, 0] first, then config's 2 and tokenizer_config's <|im_end|> (2) deduplicated.
     assert tok.eos_token_ids == (2, 0)
+    assert tok.eos_token_id == 2   # the tokenizer's own: ending on 0 reports stop_reason 0
     assert tok.bos_token_id == 1
     assert tok.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 

@@ -55,6 +55,7 @@ class Request:
         sampling_params: SamplingParams,
         *,
         eos_token_ids: tuple[int, ...] = (),
+        eos_token_id: int | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -70,6 +71,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
+        # The tokenizer's own EOS: finishing on another of eos_token_ids reports it as stop_reason.
+        self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt

@@ -488,6 +488,8 @@ class Scheduler:
         if num_output >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
+                if token_id != request.eos_token_id:   # a generation config's extra EOS id: a stop token (vLLM)
+                    request.stop_reason = token_id
                 return True
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -180,7 +180,8 @@ class LLMEngine:
                 # distinct, reproducible siblings (wrapping in int64: a seed of 2**63 - 1 has siblings too)
                 seq_params = params.clone(seed=(params.seed + i + 2**63) % 2**64 - 2**63)
             # One sibling pulls the prompt's blocks; the others wait for it and share them.
-            request = Request(core_id, token_ids, seq_params, eos_token_ids=eos, arrival_time=arrival,
+            request = Request(core_id, token_ids, seq_params, eos_token_ids=eos,
+                              eos_token_id=self.tokenizer.eos_token_id, arrival_time=arrival,
                               priority=priority, cache_salt=cache_salt, kv_transfer=kv_transfer if i == 0 else None,
                               wait_for=core_ids[0] if i and kv_transfer is not None else None)
             if i == 0 and kv_transfer is not None and kv_transfer.role == "consume":

@@ -62,6 +62,26 @@ def test_stop_conditions():
     assert results["min"][0][0] == first and results["min"][1] == "length"  # EOS ignored before min_tokens
 
 
+def test_an_extra_eos_id_ends_as_a_stop_token_with_its_id_as_stop_reason():
+    """A generation config's EOS ids beside the tokenizer's own (Llama 3's <|eom_id|> beside <|eot_id|>)
+    finish a sequence as stop token ids do, the id reported as stop_reason (vLLM moves them into
+    stop_token_ids); the tokenizer's own EOS reports none. ignore_eos ignores them all."""
+    s, r = make_scheduler()
+    first = r.next_token(list(range(5)))
+    s.add_request(req("extra", 5, max_tokens=10, eos_token_ids=(7777, first), eos_token_id=7777))
+    s.add_request(req("own", 5, max_tokens=10, eos_token_ids=(first, 7777), eos_token_id=first))
+    s.add_request(req("no_own", 5, max_tokens=10, eos_token_ids=(first,)))   # the tokenizer names no EOS
+    s.add_request(req("ignored", 5, max_tokens=3, eos_token_ids=(7777, first), eos_token_id=7777,
+                      sp={"ignore_eos": True}))
+    finished = {}
+    while s.has_unfinished_requests():
+        for o in step(s, r)[1]:
+            if o.finish_reason is not None:
+                finished[o.req_id] = (o.finish_reason, o.stop_reason)
+    assert finished == {"extra": ("stop", first), "own": ("stop", None), "no_own": ("stop", first),
+                        "ignored": ("length", None)}
+
+
 def test_context_length_caps_generation():
     s, r = make_scheduler(max_model_len=12)
     s.add_request(req("a", 10, max_tokens=None))

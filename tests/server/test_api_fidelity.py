@@ -1,6 +1,8 @@
 """OpenAI/vLLM API details on the real tiny engine: echo with logprobs has an entry per prompt
 token, prompt_logprobs, streaming equals non-streaming, /tokenize renders what chat renders."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -291,3 +293,26 @@ def test_a_json_schema_of_true_means_any_json_and_false_is_refused(server):
     assert ok.status_code == 200, ok.text
     r = ask(False)
     assert r.status_code == 400 and "false matches no value" in r.json()["error"]["message"]
+
+
+def test_an_extra_eos_id_of_the_generation_config_is_reported_as_stop_reason(server, tiny_llm_engine, monkeypatch):
+    """A model whose generation config lists EOS ids beside its tokenizer's own (Llama 3's <|eom_id|>
+    and <|eot_id|>): ending on another id reports it as stop_reason, as vLLM does (it moves those ids
+    into stop_token_ids), so a client can tell them apart; the tokenizer's own EOS reports none. Its
+    text is left out either way."""
+    tok = tiny_llm_engine.tokenizer
+    monkeypatch.setattr(tok, "eos_token_ids", (2, 0))    # as the generation config [2, 0] makes them
+    assert tok.eos_token_id == 2
+    for token, stop_reason in (("0", 0), ("2", None)):
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "logit_bias": {token: 100}}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        choice = r["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("stop", stop_reason, "")
+        assert r["usage"]["completion_tokens"] == 1
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                "logit_bias": {token: 100}, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        ends = [(c["choices"][0]["finish_reason"], c["choices"][0].get("stop_reason")) for c in chunks
+                if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert ends == [("stop", stop_reason)]
