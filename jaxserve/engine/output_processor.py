@@ -227,7 +227,8 @@ class OutputProcessor:
             if m.last_token_time != now:     # once per step, however many siblings got a token
                 m.token_times.append(now)
             m.last_token_time = now
-        state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
+        if seq.index == 0:   # the sibling scheduled first: the others reuse the blocks it computes, which
+            state.num_cached_tokens = co.num_cached_tokens   # is no cache hit for the request (vLLM: one child's)
         if state.prompt_logprobs is not None and co.new_prompt_logprobs:
             # Each of the n siblings computes the prompt; the first to reach a position provides it.
             prompt = state.prompt_token_ids

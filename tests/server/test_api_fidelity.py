@@ -316,3 +316,15 @@ def test_an_extra_eos_id_of_the_generation_config_is_reported_as_stop_reason(ser
         ends = [(c["choices"][0]["finish_reason"], c["choices"][0].get("stop_reason")) for c in chunks
                 if c["choices"] and c["choices"][0]["finish_reason"]]
         assert ends == [("stop", stop_reason)]
+
+
+def test_n_siblings_do_not_count_each_others_blocks_as_cached_tokens(server):
+    """With n > 1 the siblings share the prompt's blocks, computed once by the first: a cold prompt
+    reports 0 cached tokens (its siblings' reuse is no cache hit), a warm one what the cache held."""
+    prompt = [300 + (7 * i) % 200 for i in range(45)]   # new to this module's engine: a cold prefix cache
+    cached = []
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "n": 3, "max_tokens": 2}).json()
+        cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and cached[1] >= 16, cached
