@@ -321,8 +321,11 @@ class LLMEngine:
             plans = self._schedule()
             if self.kv_connector is not None:
                 self._start_kv_pulls()
-                if all(so.is_empty for _, so in plans) and self.kv_connector.num_pending:
-                    # Only pulls are in flight: wait for one instead of spinning.
+                if self.kv_connector.num_pending and all(
+                        so.is_empty and not so.finished_req_ids and not so.preempted_req_ids for _, so in plans):
+                    # Only pulls are in flight: wait for one instead of spinning. (A plan that names
+                    # requests that ended is launched, empty: the runner forgets their state, and the
+                    # scheduler names each of them once.)
                     return outputs + self._land_kv_pulls(self.kv_connector.done(timeout=0.05))
             launched = self._launch(plans)
         if self._can_overlap():

@@ -264,43 +264,66 @@ def test_a_producer_request_that_fails_leaves_no_export(pair, monkeypatch):
     assert len(producer.exports) == 0      # nothing gathered for a consumer that will never pull it
 
 
+class HeldPulls:       # a consumer's connector, with each pull held until the test delivers it
+    def __init__(self):
+        self.started, self.results = [], []
+    num_pending = property(lambda self: len(self.started))
+    def watch(self, *a): pass
+    def unwatch(self, *a): pass
+    def release(self, *a): pass
+    def start(self, replica, load): self.started.append((replica, load))
+    def done(self, timeout=0.0):
+        out, self.results = self.results, []
+        return out
+    def deliver(self, load, marker):
+        from jaxserve.engine.kv_connector import PullResult
+        replica = next(r for r, held in self.started if held is load)
+        self.started = [(r, held) for r, held in self.started if held is not load]
+        payload = np.full((len(load.block_ids), *replica.runner.kv_block_shape), marker, np.float32)
+        self.results.append(PullResult(replica, load, payload))
+
+
+def consume_params(engine, ids, transfer_id, blocks):
+    from jaxserve.core import Request
+    from jaxserve.core.kv_transfer import KVTransferParams
+    probe = Request("probe", ids, SamplingParams())
+    probe.update_block_hashes(16)
+    return KVTransferParams(role="consume", transfer_id=transfer_id, producer_address="producer:1",
+                            num_full_blocks=blocks, block_hashes=probe.block_hashes[:blocks], block_size=16,
+                            compat_hash=engine.compat_hash)
+
+
+def test_a_request_ending_while_only_a_pull_is_pending_leaves_no_state_in_the_runner(tiny_models):
+    """While a pull is all that is left, the consumer waits for it instead of stepping; a request that
+    ended just before must still reach the runner as ended (the scheduler names it once), or its
+    state (token ids, block ids) stays in the runner for good."""
+    engine = LLMEngine.from_kwargs(str(tiny_models["llama"]), kv_role="consumer", **TINY_ENGINE_OPTIONS)
+    engine.kv_connector.close()
+    engine.kv_connector = held = HeldPulls()
+    ids = prompt(40, seed=3)
+    engine.add_request("plain", prompt(8, seed=4), GREEDY.clone(max_tokens=1))
+    engine.add_request("pulled", ids, GREEDY.clone(max_tokens=2), kv_transfer=consume_params(engine, ids, "t", 2))
+    finished = [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["plain"] and held.num_pending == 1
+    engine.step()                       # nothing to compute: only the pull is pending
+    assert "plain" not in engine.runner.states
+    held.deliver(held.started[0][1], 1.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_a_pull_landing_after_its_request_ended_does_not_serve_a_new_request_of_its_id(tiny_models):
     """A client's retry reuses the request id (the gRPC API takes the client's): the aborted request's
     pull, landing late, must neither be written nor mark the new request's own pull done (it was
     written into the freed blocks, and the new request ran on blocks nothing had written)."""
-    from jaxserve.core import Request
-    from jaxserve.engine.kv_connector import PullResult
-
     engine = LLMEngine.from_kwargs(str(tiny_models["llama"]), kv_role="consumer",
                                    **{**TINY_ENGINE_OPTIONS, "num_kv_blocks": 9})
     engine.kv_connector.close()
-
-    class HeldPulls:       # the connector, with each pull held until the test delivers it
-        def __init__(self):
-            self.started, self.results = [], []
-        num_pending = property(lambda self: len(self.started))
-        def watch(self, *a): pass
-        def unwatch(self, *a): pass
-        def release(self, *a): pass
-        def start(self, replica, load): self.started.append((replica, load))
-        def done(self, timeout=0.0):
-            out, self.results = self.results, []
-            return out
-        def deliver(self, load, marker):
-            replica = next(r for r, held in self.started if held is load)
-            self.started = [(r, held) for r, held in self.started if held is not load]
-            payload = np.full((len(load.block_ids), *replica.runner.kv_block_shape), marker, np.float32)
-            self.results.append(PullResult(replica, load, payload))
-
     engine.kv_connector = held = HeldPulls()
     ids = prompt(100)
-    probe = Request("probe", ids, SamplingParams())
-    probe.update_block_hashes(16)
 
     def kv(transfer_id):
-        return KVTransferParams(role="consume", transfer_id=transfer_id, producer_address="producer:1",
-                                num_full_blocks=6, block_hashes=probe.block_hashes[:6], block_size=16,
-                                compat_hash=engine.compat_hash)
+        return consume_params(engine, ids, transfer_id, 6)
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("x", ids, params, kv_transfer=kv("t-old"))
