@@ -161,14 +161,11 @@ def machine(cpuinfo: str | None = None) -> dict:
     """The machine the numbers come from: the CPU's model name, the cores this process may use, and
     the path jaxserve's native matmuls take on it (AMX tiles where the CPU has them, else AVX-512
     BF16 vectors, else XLA's dots). The ratios differ from one CPU to the next (benchmarks/RESULTS.md)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+    from kernels_pallas import native_cpu
+    if cpuinfo is None:   # the lines the native build keys its library on: model name and flags
+        cpuinfo = native_cpu._cpu_signature()
     names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
              if line.startswith("model name") and ":" in line]
-    from kernels_pallas import native_cpu
     path = ("AMX tiles" if native_cpu.gemm_amx() else "AVX-512 BF16 vectors" if native_cpu.gemm_available()
             else "XLA dots")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
