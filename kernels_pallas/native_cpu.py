@@ -54,7 +54,10 @@ SILU_MUL_TARGET = "jaxserve_silu_mul"
 WRITE_KV_TARGET = "jaxserve_write_kv"
 ADD_RMS_NORM_TARGET = "jaxserve_add_rms_norm"
 LOG_SOFTMAX_TARGET = "jaxserve_log_softmax"
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17")
+# No exceptions, RTTI or unwind tables: nothing here throws or catches (a throw from a handler would
+# end the process either way) and the kernels' code is the same; the build then takes ~15% less CPU.
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-fno-exceptions", "-fno-rtti",
+          "-fno-asynchronous-unwind-tables")
 _STALE_BUILD_SECONDS = 600   # a build folder this old belongs to a process that is gone
 _BITS = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}
 
