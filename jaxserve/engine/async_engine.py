@@ -17,6 +17,7 @@ output or its grammar raised, or its constraints left no token: its final output
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -51,7 +52,13 @@ class AsyncEngine:
         self.step_timeout_s = step_timeout_s
         self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        # request id -> (loop, queue, n, serial) of the stream reading it. An id is free again as
+        # soon as its stream closes, while the engine may still hold the old request until its abort
+        # is applied: `_live` (the engine thread's own) says which stream's request the engine holds
+        # under each id, and outputs go to a stream only when their serials agree.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int, int]] = {}
+        self._live: dict[str, int] = {}
+        self._serials = itertools.count()
         self._num_seqs = 0                      # sum of n over _streams
         self._lock = threading.Lock()           # guards _streams, _num_seqs and _error
         self._error: BaseException | None = None
@@ -125,7 +132,7 @@ class AsyncEngine:
             seqs = await asyncio.to_thread(bad_words_token_ids, params.bad_words, tokenizer)
             params = params.clone(bad_words=None, bad_words_token_ids=(params.bad_words_token_ids or []) + seqs)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, next(self._serials))
         accepted = loop.create_future()
         with self._lock:
             full = self._queue_full(params.n)
@@ -133,9 +140,9 @@ class AsyncEngine:
                 raise full
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, stream.queue, params.n)
+            self._streams[request_id] = (loop, stream.queue, params.n, stream.serial)
             self._num_seqs += params.n
-        self._commands.put(("add", request_id, prompt, params, kwargs, loop, accepted))
+        self._commands.put(("add", request_id, prompt, params, kwargs, loop, accepted, stream.serial))
         if self._error is not None and not accepted.done():  # died after the check above
             accepted.set_exception(self._dead_error())
         try:
@@ -176,14 +183,17 @@ class AsyncEngine:
         finally:
             stream.close(abort=True)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str, serial: int) -> None:
         with self._lock:
-            entry = self._streams.pop(request_id, None)
-            if entry is not None:
+            entry = self._streams.get(request_id)
+            if entry is not None and entry[3] == serial:
+                del self._streams[request_id]
                 self._num_seqs -= entry[2]
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, serial: int | None = None) -> None:
+        """Abort the request the engine holds under `request_id` (with `serial`: only if it is that
+        stream's; a newer request reusing the id is left alone)."""
+        self._commands.put(("abort", request_id, serial))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the loop: in-flight requests are aborted and their consumers get EngineDeadError."""
@@ -267,28 +277,46 @@ class AsyncEngine:
             if kind == "stop":
                 return False
             if kind == "abort":
-                # A stream still read (abort() by id) ends with its final "abort" output.
-                for out in self.engine.abort_request(cmd[1]):
-                    self._deliver(out.request_id, out)
-                continue
-            _, request_id, prompt, params, kwargs, loop, accepted = cmd
+                _, request_id, serial = cmd
+                if serial in (None, self._live.get(request_id)):
+                    self._abort_live(request_id)
+                continue   # else never added, already ended, or the id now names a newer request
+            _, request_id, prompt, params, kwargs, loop, accepted, serial = cmd
             with self._lock:
-                wanted = request_id in self._streams
-            if not wanted:
+                entry = self._streams.get(request_id)
+            if entry is None or entry[3] != serial:
                 _resolve(loop, accepted, None)   # the consumer already gave up
                 continue
+            if request_id in self._live:
+                # The id's last stream closed, and its abort is queued behind this add (the two
+                # streams' threads raced): nobody reads that request any more, so it ends now.
+                self._abort_live(request_id)
             try:
                 num_prompt_tokens = self.engine.add_request(request_id, prompt, params, **kwargs)
             except Exception as e:  # noqa: BLE001 - a bad request fails only itself
                 _resolve(loop, accepted, e)
             else:
+                self._live[request_id] = serial
                 _resolve(loop, accepted, None, num_prompt_tokens)
 
+    def _abort_live(self, request_id: str) -> None:
+        """Abort the request the engine holds under `request_id`; a stream still reading it (abort()
+        by id) ends with its final "abort" output."""
+        for out in self.engine.abort_request(request_id):
+            self._deliver(out.request_id, out)
+        self._live.pop(request_id, None)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Hand `item` to the stream of the request the engine holds under `request_id` (an error
+        from _fail_all: to whichever stream reads the id)."""
+        if isinstance(item, RequestOutput):
+            serial = self._live.get(request_id)
+            if item.finished:
+                self._live.pop(request_id, None)   # the engine has let go of it
         with self._lock:
             entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream, _ = entry
+        if entry is not None and (not isinstance(item, RequestOutput) or entry[3] == serial):
+            loop, stream, _, _ = entry
             try:
                 loop.call_soon_threadsafe(stream.put_nowait, item)
             except RuntimeError:
@@ -336,8 +364,8 @@ class StepTimeoutError(EngineDeadError):
 class RequestStream:
     """Outputs of one accepted request, in order; closing it before the end aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
-        self.engine, self.request_id = engine, request_id
+    def __init__(self, engine: AsyncEngine, request_id: str, serial: int) -> None:
+        self.engine, self.request_id, self.serial = engine, request_id, serial
         self.num_prompt_tokens: int | None = None   # known once accepted (before any output)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
@@ -368,9 +396,9 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self.engine._forget(self.request_id)
+        self.engine._forget(self.request_id, self.serial)
         if abort and not self.finished:
-            self.engine.abort(self.request_id)
+            self.engine.abort(self.request_id, self.serial)
 
     async def aclose(self) -> None:
         self.close(abort=True)

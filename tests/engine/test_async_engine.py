@@ -81,6 +81,45 @@ def test_abort_by_id_ends_a_stream_still_read_with_its_abort_output(engine, llm_
     assert not llm_engine.has_unfinished_requests()
 
 
+def test_an_id_reused_right_after_its_stream_closed_gets_only_its_own_outputs(engine, llm_engine):
+    # A client cancels and retries with the same id (the gRPC API takes the client's): the old
+    # request's last step and its abort output arrive after the new stream took the id.
+    async def main():
+        results = []
+        for round_ in range(5):
+            params = SamplingParams(max_tokens=12 + round_, ignore_eos=True)
+            old = await engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=500, ignore_eos=True), "again")
+            await old.__anext__()
+            await old.aclose()                      # its abort is only queued
+            new = await engine.add_request([7, 8], params, "again")
+            results.append((params.max_tokens, [out async for out in new]))
+        return results
+    for max_tokens, outs in asyncio.run(main()):
+        assert all(out.prompt_token_ids == [7, 8] for out in outs)
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert len(outs[-1].outputs[0].token_ids) == max_tokens
+        assert not any(out.finished for out in outs[:-1])
+    assert not llm_engine.has_unfinished_requests() and engine.num_in_flight == 0
+    assert not engine._live   # the engine thread let go of every id
+
+
+def test_an_abort_queued_by_a_closed_stream_leaves_a_newer_request_of_that_id_alone(engine, llm_engine):
+    # The old stream's abort can reach the engine after the new request under the same id was
+    # added (the two streams live on different threads): it must not end the new one, and the
+    # old request, which nobody reads any more, ends when the new one is added.
+    async def main():
+        old = await engine.add_request([3, 4, 5], SamplingParams(max_tokens=500, ignore_eos=True), "late")
+        await old.__anext__()
+        engine._forget(old.request_id, old.serial)     # what close() does first...
+        new = await engine.add_request([7, 8], SamplingParams(max_tokens=6, ignore_eos=True), "late")
+        engine.abort("late", old.serial)                # ...then its abort, queued after the new add
+        return [out async for out in new]
+    outs = asyncio.run(main())
+    assert all(out.prompt_token_ids == [7, 8] for out in outs)
+    assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 6
+    assert not llm_engine.has_unfinished_requests() and not engine._live
+
+
 def test_a_failing_step_fails_every_request_and_marks_the_engine_unhealthy(llm_engine, monkeypatch):
     engine = AsyncEngine(llm_engine)
 
