@@ -257,6 +257,21 @@ def test_cancel_mid_stream_aborts_the_request_and_frees_its_blocks(slow_steps):
     assert g.engine.stats()["generation_tokens"] - generated < 90      # cut, not finished
 
 
+def test_a_cancelled_call_retried_with_its_request_id_gets_its_own_tokens(slow_steps):
+    # A client's idempotent retry: cancel, then the same request_id at once, on another prompt.
+    g, _ = slow_steps
+    wait_until(lambda: all_blocks_free(g))
+    call = g.stub.Generate(request([11, 12, 13] * 10, request_id="retried", max_tokens=90, ignore_eos=True))
+    next(call)
+    call.cancel()
+    retry = request([31, 32], request_id="retried", temperature=0, max_tokens=5, ignore_eos=True)
+    chunks, completes, _ = collect(g.stub.Generate(retry))
+    expected = engine_output(g, [31, 32], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)).outputs[0]
+    assert joined(chunks[0])[0] == list(expected.token_ids)
+    assert [(c.finish_reason, c.completion_tokens) for c in completes] == [("length", 5)]
+    wait_until(lambda: all_blocks_free(g))
+
+
 def test_deadline_ends_the_call_and_frees_its_blocks(slow_steps):
     g, _ = slow_steps
     generated = g.engine.stats()["generation_tokens"]
