@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.protocol import (ENDPOINTS, ChatCompletionRequest, RequestError, chat_response,
-                               completion_response, param_of, parse, prepare)
+from jaxserve.protocol import (ENDPOINTS, ChatCompletionRequest, RequestError, RequestLimits, chat_response,
+                               completion_response, param_of, parse, parse_json_text, prepare)
 
 IN_FLIGHT_PER_SEQ = 4   # default max_in_flight per running-sequence slot: the waiting queue refills them
 
@@ -153,9 +153,9 @@ class _Job:
             return None
         self.summary.total += 1
         try:
-            obj = json.loads(raw)
-        except ValueError as e:   # also not UTF-8
-            return self._unidentified(lineno, raw, "invalid_json", f"line {lineno} is not valid JSON: {e}")
+            obj = parse_json_text(raw, f"line {lineno}")
+        except RequestError as e:   # also not UTF-8, a lone surrogate, too deep
+            return self._unidentified(lineno, raw, "invalid_json", str(e))
         if not isinstance(obj, dict):
             return self._unidentified(lineno, raw, "invalid_line", f"line {lineno} is not a JSON object")
         custom_id = obj.get("custom_id")
@@ -308,7 +308,7 @@ def _prepare(engine: LLMEngine, obj: dict, custom_id: str, lineno: int, model: s
     req = parse(ENDPOINTS[url], body)
     if req.stream:
         raise RequestError("stream is not supported in a batch job", param="stream")
-    items = prepare(req, engine.tokenizer, engine.max_model_len)
+    items = prepare(req, engine.tokenizer, engine.max_model_len, RequestLimits(max_logprobs=engine.config.max_logprobs))
     return _Line(custom_id, req, f"batch-{lineno}-{uuid.uuid4().hex[:8]}", items)
 
 

@@ -75,6 +75,20 @@ class RequestError(ValueError):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
 
 
+def parse_json_text(raw: bytes | str, what: str = "the request body") -> Any:
+    """The JSON value of a request body (a batch file's line); a RequestError naming `what` for
+    invalid JSON or UTF-8, a lone surrogate ("\\ud800" is no text: nothing downstream can encode
+    it), nesting too deep for the parser, or an integer of over 4300 digits."""
+    try:
+        value = json.loads(raw)
+        json.dumps(value, ensure_ascii=False).encode()
+    except RecursionError:
+        raise RequestError(f"{what} is nested too deeply") from None
+    except ValueError as e:
+        raise RequestError(f"{what} is not valid JSON: {e}") from None
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False

@@ -10,7 +10,6 @@ adds the requests when it starts and aborts them when the client leaves.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -29,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, RequestLimits,
-                               chat_response, completion_response, parse, prepare)
+                               chat_response, completion_response, parse, parse_json_text, prepare)
 from jaxserve.tool_parsers import get_tool_parser
 from server.limits import BodySizeLimit
 from server.metrics import ServerMetrics
@@ -250,13 +249,7 @@ def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 
 async def _json(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-        json.dumps(body, ensure_ascii=False).encode()   # lone surrogates ("\ud800") are not text
-    except RecursionError:
-        raise RequestError("the request body is nested too deeply") from None
-    except ValueError as e:   # invalid JSON or UTF-8, a lone surrogate, an integer of over 4300 digits
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    body = parse_json_text(await request.body())
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body

@@ -10,6 +10,8 @@ import pytest
 
 from jaxserve.batch import run_batch
 from jaxserve.cli import main
+from jaxserve.engine.llm_engine import LLMEngine
+from tests.conftest import TINY_ENGINE_OPTIONS
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +214,43 @@ def test_error_lines_are_written_once(engine, tmp_path):
     fixed = run_batch(engine, src, dst, use_tqdm=False)
     assert (fixed.succeeded, fixed.failed, fixed.skipped) == (1, 0, 7)
     assert read(dst)[-1]["custom_id"] == "fixed" and read(dst)[-1]["response"]["status_code"] == 200
+
+
+def test_lines_no_request_can_be_made_of_are_error_rows_and_the_job_goes_on(engine, tmp_path):
+    # What the HTTP server refuses as a body is an error row here: nesting past the parser's depth
+    # (it raised RecursionError and ended the job) and lone surrogates, which no text can hold (in a
+    # custom_id the row could not be written, so every rerun ran the line again and stopped there;
+    # in a prompt the tokenizer raised TypeError).
+    deep = '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    surrogate_id = '{"custom_id": "\\ud800", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}}'
+    surrogate_prompt = '{"custom_id": "s", "url": "/v1/completions", "body": {"prompt": "hi \\ud800", "max_tokens": 2}}'
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([deep, surrogate_id, GOOD[0], surrogate_prompt]) + "\n")
+    summary = run_batch(engine, src, dst, use_tqdm=False)
+    assert (summary.total, summary.succeeded, summary.failed) == (4, 1, 3)
+    rows = read(dst)
+    errors = {r["error"]["line"]: r["error"] for r in rows if r["error"]}
+    assert {n: e["code"] for n, e in errors.items()} == {1: "invalid_json", 2: "invalid_json", 4: "invalid_json"}
+    assert "nested too deeply" in errors[1]["message"] and "surrogate" in errors[2]["message"]
+    assert [r["custom_id"] for r in rows if not r["error"]] == ["c1"]
+    again = run_batch(engine, src, dst, use_tqdm=False)
+    assert (again.succeeded, again.failed, again.skipped) == (0, 0, 4)
+    assert not engine.has_unfinished_requests()
+
+
+def test_max_logprobs_is_the_engines(tiny_models, tmp_path):
+    # The limit a line may ask for is the engine's --max-logprobs, as in `jaxserve serve` (it was
+    # always the default, 20).
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    chat = dict(url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True)
+    src.write_text("\n".join([line("within", top_logprobs=30, **chat), line("past", top_logprobs=31, **chat)]) + "\n")
+    engine = LLMEngine.from_kwargs(str(tiny_models["llama"]), **{**TINY_ENGINE_OPTIONS, "token_buckets": (16, 64)},
+                                   max_logprobs=30)
+    run_batch(engine, src, dst, use_tqdm=False)
+    by_id = {r["custom_id"]: r["response"] for r in read(dst)}
+    assert by_id["within"]["status_code"] == 200
+    assert len(by_id["within"]["body"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+    assert by_id["past"]["status_code"] == 400 and "limit of 30" in by_id["past"]["body"]["error"]["message"]
 
 
 def test_a_duplicate_answered_first_does_not_stand_for_the_original(engine, tmp_path, monkeypatch):
