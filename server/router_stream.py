@@ -15,6 +15,7 @@ import grpc
 from jaxserve.core import Logprobs, RequestOutputKind, SamplingParams
 from jaxserve.engine.async_engine import EngineDeadError, QueueFullError
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_dict
+from jaxserve.protocol import RequestError, param_of
 from jaxserve.proto import jaxserve_pb2 as pb
 
 
@@ -22,7 +23,9 @@ def engine_error(e: grpc.aio.AioRpcError, instance) -> Exception:
     """What AsyncEngine raises for the same failure, so create_app answers as a single server does."""
     code = e.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(e.details())
+        # The client's fault whenever it comes: at admission (a check) or mid-stream (the request's
+        # own constraints left no token), where a plain ValueError would read as ours (a 500).
+        return RequestError(e.details(), param=param_of(e.details()))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return QueueFullError(e.details())
     if code == grpc.StatusCode.UNAVAILABLE:

@@ -344,6 +344,22 @@ def test_a_consumer_dying_mid_request_is_a_503(router, fakes):
     wait_for(lambda: metric(router.url, "jaxserve:num_requests_in_flight") == 0)
 
 
+def test_a_request_failing_on_its_own_constraints_mid_stream_is_a_400(router, fakes):
+    # A single server answers 400 when a request's own constraints leave no token after its first
+    # (streamed: an error event with code 400); the instance sends INVALID_ARGUMENT mid-call.
+    message = "the request's constraints leave no token to sample"
+    fakes[2].fail_mid = (grpc.StatusCode.INVALID_ARGUMENT, message)
+    r = post(router, {"prompt": LONG_PROMPT, "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+    r = post(router, {"prompt": LONG_PROMPT, "max_tokens": 3, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == expected_text(0, 1)
+    error = json.loads(events[1])["error"]
+    assert (error["code"], error["type"], error["message"]) == (400, "invalid_request_error", message)
+    assert events[2:] == ["[DONE]"]
+    wait_for(lambda: metric(router.url, "jaxserve:num_requests_in_flight") == 0)
+
+
 def test_other_consumer_failures_are_a_500_that_tells_only_an_id(router, fakes):
     fakes[2].fail = (grpc.StatusCode.INTERNAL, "secret traceback")
     r = post(router, {"prompt": SHORT_PROMPT, "max_tokens": 3})
