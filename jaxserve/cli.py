@@ -165,11 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "compile in the background, larger ones first; steps pad to the ready ones and the "
                         "step's budget is capped at the largest ready one meanwhile (0: compile all first; "
                         "default: %(default)s)")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="parse the model's tool calls in chat requests with tools (tool_choice 'auto'); needs "
-                        "--tool-call-parser")
-    s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                   help="the model's tool call format (hermes: <tool_call>{json}</tool_call>, e.g. Qwen, Hermes)")
+    add_tool_args(s)
     kv = serve.add_argument_group("disaggregated prefill/decode (behind `jaxserve router`; needs --grpc-port)")
     kv.add_argument("--kv-role", choices=KV_ROLES, default=None,
                     help="producer: prefill and export the prompt's KV blocks (served over gRPC); consumer: pull "
@@ -207,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
     router.add_argument("--startup-timeout-s", type=_positive_float, default=600.0,
                         help="how long to wait for every instance to answer at start-up (default: %(default)s)")
+    add_tool_args(router)
     router.set_defaults(func=_router)
 
     batch = sub.add_parser("run-batch", help="run an OpenAI Batch file offline",
@@ -279,13 +276,27 @@ def _convert(args: argparse.Namespace) -> int:
     return main(args.model, args.output, dtype=args.dtype, overwrite=args.overwrite)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def add_tool_args(parser) -> None:
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="parse the model's tool calls in chat requests with tools (tool_choice 'auto'); needs "
+                             "--tool-call-parser")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the model's tool call format (hermes: <tool_call>{json}</tool_call>, e.g. Qwen, Hermes)")
+
+
+def tool_parser_of(args: argparse.Namespace) -> str | None:
+    """--tool-call-parser when --enable-auto-tool-choice is on, else None; the flags checked."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
                          f"(one of: {', '.join(sorted(TOOL_PARSERS))})")
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         logging.getLogger(__name__).warning("--tool-call-parser does nothing without --enable-auto-tool-choice: "
                                             "requests with tools and tool_choice 'auto' will get a 400")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    tool_parser = tool_parser_of(args)
     if args.kv_role is not None and args.grpc_port is None:
         raise ValueError(f"--kv-role {args.kv_role} needs --grpc-port: the router reaches prefill and decode "
                          "instances over gRPC, and consumers pull KV blocks from the producer's gRPC server")
@@ -306,14 +317,15 @@ def _serve(args: argparse.Namespace) -> int:
                  max_num_queued_requests=args.max_num_queued_requests,
                  max_request_body_bytes=args.max_request_body_bytes, limits=limits,
                  step_timeout_s=args.step_timeout_s, enable_docs=args.enable_docs,
-                 tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None, grpc_port=args.grpc_port)
+                 tool_parser=tool_parser, grpc_port=args.grpc_port)
 
 
 def _router(args: argparse.Namespace) -> int:
     from server.router import serve_router
 
     return serve_router(args.model, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
-                        api_key=args.api_key, startup_timeout_s=args.startup_timeout_s)
+                        api_key=args.api_key, startup_timeout_s=args.startup_timeout_s,
+                        tool_parser=tool_parser_of(args))
 
 
 def main(argv: list[str] | None = None) -> int:

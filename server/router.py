@@ -429,15 +429,18 @@ class _RouterCollector:
         yield c
 
 
-def router_app(engine: RouterEngine, *, api_key: str | None = None):
-    """create_app over the router engine, under the instances' served model name, plus the router's metrics."""
-    app = create_app(engine, served_model_name=engine.served_model_name, api_key=api_key)
+def router_app(engine: RouterEngine, *, api_key: str | None = None, tool_parser: str | None = None):
+    """create_app over the router engine, under the instances' served model name, plus the router's metrics.
+    `tool_parser` (--tool-call-parser with --enable-auto-tool-choice): tool calls are parsed here, from
+    the text the instances generate."""
+    app = create_app(engine, served_model_name=engine.served_model_name, api_key=api_key, tool_parser=tool_parser)
     app.state.metrics.registry.register(_RouterCollector(engine, engine.served_model_name))
     return app
 
 
 def serve_router(model: str | None, *, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
-                 port: int = 8000, api_key: str | None = None, startup_timeout_s: float = 600.0) -> int:
+                 port: int = 8000, api_key: str | None = None, startup_timeout_s: float = 600.0,
+                 tool_parser: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after draining in-flight requests)."""
     import uvicorn
 
@@ -447,7 +450,7 @@ def serve_router(model: str | None, *, prefill: list[str], decode: list[str], ho
         engine = await RouterEngine.connect(tokenizer, vocab_size, prefill, decode,
                                             startup_timeout_s=startup_timeout_s)
         try:
-            server = uvicorn.Server(uvicorn.Config(router_app(engine, api_key=api_key), host=host, port=port,
+            server = uvicorn.Server(uvicorn.Config(router_app(engine, api_key=api_key, tool_parser=tool_parser), host=host, port=port,
                                                    log_level="info", timeout_graceful_shutdown=30))
             # uvicorn re-raises SIGTERM after its clean shutdown; a no-op handler lets the process exit 0.
             signal.signal(signal.SIGTERM, lambda signum, frame: None)

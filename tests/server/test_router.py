@@ -77,6 +77,7 @@ class FakeInstance(pb_grpc.GenerationServicer, pb_grpc.KVTransferServicer):
         self.fail_mid: tuple[grpc.StatusCode, str] | None = None    # ... or after the first chunk
         self.first_delay_s = 0.0
         self.token_delay_s = 0.0
+        self.text: str | None = None            # decode: this text (8 characters a chunk), then "stop"
 
     @property
     def last(self) -> pb.GenerateRequest:
@@ -120,6 +121,13 @@ class FakeInstance(pb_grpc.GenerationServicer, pb_grpc.KVTransferServicer):
 
     async def decoded(self, request, context):
         sp = request.sampling_params
+        if self.text is not None:
+            pieces = [self.text[i:i + 8] for i in range(0, len(self.text), 8)]
+            for k, piece in enumerate(pieces):
+                yield pb.GenerateResponse(chunk=pb.Chunk(index=0, token_ids=[100 + k], text=piece))
+            yield pb.GenerateResponse(complete=pb.Complete(
+                index=0, finish_reason="stop", prompt_tokens=len(request.token_ids.ids), completion_tokens=len(pieces)))
+            return
         for k in range(sp.max_tokens):
             for i in range(sp.n):
                 token = 100 + 10 * i + k
@@ -159,12 +167,12 @@ def expected_text(choice: int, num_tokens: int) -> str:
 class Router:
     """RouterEngine + uvicorn on their own loop thread, on a free port."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], **app_kw) -> None:
         self.loop = LoopThread()
         self.engine = self.loop.run(RouterEngine.connect(TOK, 512, prefill, decode, startup_timeout_s=5,
                                                          poll_interval_s=0.05))
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(router_app(self.engine), host="127.0.0.1",
+        self.server = uvicorn.Server(uvicorn.Config(router_app(self.engine, **app_kw), host="127.0.0.1",
                                                     port=self.port, log_level="warning"))
         self.serving = self.loop.submit(self.server.serve())
         deadline = time.monotonic() + 30
@@ -367,6 +375,40 @@ def test_other_consumer_failures_are_a_500_that_tells_only_an_id(router, fakes):
     assert "secret" not in r.text
 
 
+def test_tool_calls_are_parsed_by_a_router_started_with_a_tool_call_parser(fakes):
+    # As `jaxserve serve --enable-auto-tool-choice --tool-call-parser hermes`: the router parses what
+    # the instances generate (without the flags, tools with tool_choice "auto" are a 400 naming them).
+    _, producer, consumer, _ = fakes
+    consumer.text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"messages": [{"role": "user", "content": "weather in Paris?"}], "tools": tools, "max_tokens": 40}
+    plain = Router([producer.address], [consumer.address])
+    try:
+        r = post(plain, body, path="/v1/chat/completions")
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    finally:
+        plain.stop()
+    router = Router([producer.address], [consumer.address], tool_parser="hermes")
+    try:
+        for stream in (False, True):
+            r = router.client.chat.completions.create(model="tiny", stream=stream, **body)
+            if stream:
+                chunks = list(r)
+                calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+                content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+                name, arguments = calls[0].function.name, "".join(c.function.arguments or "" for c in calls)
+            else:
+                message, finish = r.choices[0].message, [r.choices[0].finish_reason]
+                content, name, arguments = message.content, message.tool_calls[0].function.name, \
+                    message.tool_calls[0].function.arguments
+            assert (content, name, json.loads(arguments), finish) == (
+                "Sure.", "get_weather", {"city": "Paris"}, ["tool_calls"]), stream
+    finally:
+        router.stop()
+
+
 def test_a_request_the_producer_refuses_is_a_400_and_never_decoded(router, fakes):
     _, producer, consumer, _ = fakes
     producer.fail = (grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids=[999] has id 999 outside the vocabulary")
@@ -555,7 +597,10 @@ def test_the_router_command(fakes, tiny_models):
     bad = subprocess.run(args + ["--decode", "127.0.0.1:1", "--startup-timeout-s", "1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "decode instance 127.0.0.1:1 did not answer GetModelInfo" in bad.stderr
-    proc = subprocess.Popen(args + ["--api-key", "k"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bad = subprocess.run(args + ["--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in bad.stderr
+    proc = subprocess.Popen(args + ["--api-key", "k", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: proc.poll() is not None or _up(url), timeout=120)
@@ -565,6 +610,10 @@ def test_the_router_command(fakes, tiny_models):
         assert client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=3).choices[0].text == \
             expected_text(0, 3)
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               tools=tools, max_tokens=3)   # tool_choice "auto": parsed here
+        assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
