@@ -45,6 +45,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.protocol import (ENDPOINTS, ChatCompletionRequest, RequestError, RequestLimits, chat_response,
                                completion_response, param_of, parse, parse_json_text, prepare)
+from jaxserve.tool_parsers import ToolParser, get_tool_parser
 
 IN_FLIGHT_PER_SEQ = 4   # default max_in_flight per running-sequence slot: the waiting queue refills them
 
@@ -72,12 +73,15 @@ def default_max_in_flight(engine: LLMEngine) -> int:
 
 def run_batch(engine: LLMEngine, input_path: str | os.PathLike, output_path: str | os.PathLike, *,
               served_model_name: str | None = None, max_in_flight: int | None = None,
-              use_tqdm: bool | None = None) -> BatchSummary:
+              use_tqdm: bool | None = None, tool_parser: str | None = None) -> BatchSummary:
     """Answer every line of `input_path` into `output_path` (appended); see the module docstring.
 
     max_in_flight: engine requests queued or running at once (default: default_max_in_flight).
     use_tqdm: a progress bar on stderr; None shows it when stderr is a terminal.
+    tool_parser: parse the tool calls of chat lines with tools and tool_choice "auto" (a
+    jaxserve.tool_parsers name: `jaxserve serve`'s --tool-call-parser with --enable-auto-tool-choice).
     """
+    tools = get_tool_parser(tool_parser) if tool_parser is not None else None
     max_in_flight = default_max_in_flight(engine) if max_in_flight is None else max_in_flight
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
@@ -95,7 +99,7 @@ def run_batch(engine: LLMEngine, input_path: str | os.PathLike, output_path: str
         with tqdm(total=total, desc="Batch", unit="req", disable=not use_tqdm, file=sys.stderr,
                   dynamic_ncols=True) as bar:
             job = _Job(engine, out_file, served_model_name or engine.model_name, max_in_flight,
-                       done_ids, done_keys, bar)
+                       done_ids, done_keys, bar, tools)
             job.run(enumerate(source, 1))
     return job.summary
 
@@ -104,8 +108,9 @@ class _Job:
     """One run's state: what is answered, what is in flight, and the progress bar."""
 
     def __init__(self, engine: LLMEngine, out_file: BinaryIO, model: str, max_in_flight: int,
-                 done_ids: set[str], done_keys: set[str], bar: tqdm) -> None:
+                 done_ids: set[str], done_keys: set[str], bar: tqdm, tools: ToolParser | None) -> None:
         self.engine, self.out_file, self.model, self.max_in_flight = engine, out_file, model, max_in_flight
+        self.tools = tools
         self.done_ids, self.done_keys = done_ids, done_keys   # answered in the output file already
         self.bar = bar
         self.summary = BatchSummary()
@@ -173,7 +178,7 @@ class _Job:
             self._skip()
             return None
         try:
-            return _prepare(self.engine, obj, custom_id, lineno, self.model)
+            return _prepare(self.engine, obj, custom_id, lineno, self.model, self.tools)
         except RequestError as e:
             self._refused(custom_id, None, e)
             return None
@@ -219,7 +224,7 @@ class _Job:
             return
         self.summary.succeeded += 1
         self.generated += sum(len(c.token_ids) for o in line.outputs.values() for c in o.outputs)
-        self._write(_row(line.custom_id, line.request_id, 200, body=_body(line, self.model, self.engine.tokenizer)))
+        self._write(_row(line.custom_id, line.request_id, 200, body=_body(line, self.model, self.engine.tokenizer, self.tools)))
 
     def _refused(self, custom_id: str, request_id: str | None, error: RequestError) -> None:
         self.summary.failed += 1
@@ -292,7 +297,8 @@ def _row(custom_id: str | None, request_id: str | None = None, status: int | Non
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
 
 
-def _prepare(engine: LLMEngine, obj: dict, custom_id: str, lineno: int, model: str) -> _Line:
+def _prepare(engine: LLMEngine, obj: dict, custom_id: str, lineno: int, model: str,
+             tools: ToolParser | None = None) -> _Line:
     """Validate and tokenize one line's request; RequestError names what is wrong."""
     if obj.get("method", "POST") != "POST":
         raise RequestError(f"method {obj.get('method')!r} is not supported; use POST", param="method")
@@ -308,12 +314,13 @@ def _prepare(engine: LLMEngine, obj: dict, custom_id: str, lineno: int, model: s
     req = parse(ENDPOINTS[url], body)
     if req.stream:
         raise RequestError("stream is not supported in a batch job", param="stream")
-    items = prepare(req, engine.tokenizer, engine.max_model_len, RequestLimits(max_logprobs=engine.config.max_logprobs))
+    items = prepare(req, engine.tokenizer, engine.max_model_len, RequestLimits(max_logprobs=engine.config.max_logprobs),
+                    tools)
     return _Line(custom_id, req, f"batch-{lineno}-{uuid.uuid4().hex[:8]}", items)
 
 
-def _body(line: _Line, model: str, tokenizer) -> dict:
+def _body(line: _Line, model: str, tokenizer, tools: ToolParser | None) -> dict:
     outputs = [line.outputs[f"{line.request_id}-{j}"] for j in range(len(line.items))]
     if isinstance(line.request, ChatCompletionRequest):
-        return chat_response(line.request, outputs[0], model, tokenizer)
+        return chat_response(line.request, outputs[0], model, tokenizer, tools)
     return completion_response(line.request, outputs, model, tokenizer)

@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "data-parallel replica)")
     batch.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
+    add_tool_args(batch)
     add_engine_args(batch)
     batch.set_defaults(func=_run_batch)
 
@@ -247,9 +248,10 @@ def _run_batch(args: argparse.Namespace) -> int:
         return _follow(engine_config(args))
     if args.max_in_flight is not None and args.max_in_flight < 1:   # before the slow engine build
         raise ValueError(f"--max-in-flight must be at least 1, got {args.max_in_flight}")
+    tool_parser = tool_parser_of(args)
     engine = LLMEngine(engine_config(args))
     summary = run_batch(engine, args.input_file, args.output_file, served_model_name=args.served_model_name,
-                        max_in_flight=args.max_in_flight, use_tqdm=args.progress)
+                        max_in_flight=args.max_in_flight, use_tqdm=args.progress, tool_parser=tool_parser)
     print(f"{summary.succeeded} succeeded, {summary.failed} failed, {summary.skipped} already done "
           f"-> {args.output_file}", file=sys.stderr)
     return 0

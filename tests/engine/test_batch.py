@@ -3,6 +3,7 @@ interruption, error lines written once, the progress bar, the CLI."""
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -253,6 +254,26 @@ def test_max_logprobs_is_the_engines(tiny_models, tmp_path):
     assert by_id["past"]["status_code"] == 400 and "limit of 30" in by_id["past"]["body"]["error"]["message"]
 
 
+def test_tool_calls_are_parsed_with_a_tool_call_parser(engine, tmp_path):
+    # `run-batch --enable-auto-tool-choice --tool-call-parser hermes`, as `serve`: a regex makes the
+    # tiny model write a call; without a parser, tools with tool_choice "auto" are a 400 row.
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(line("t", url="/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                        max_tokens=60, structured_outputs={"regex": re.escape(call)}) + "\n")
+    run_batch(engine, src, tmp_path / "plain.jsonl", use_tqdm=False)
+    (refused,) = read(tmp_path / "plain.jsonl")
+    assert refused["response"]["status_code"] == 400
+    assert "--enable-auto-tool-choice" in refused["response"]["body"]["error"]["message"]
+    run_batch(engine, src, tmp_path / "parsed.jsonl", use_tqdm=False, tool_parser="hermes")
+    (row,) = read(tmp_path / "parsed.jsonl")
+    choice = row["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (parsed,) = choice["message"]["tool_calls"]
+    assert parsed["function"]["name"] == "f" and json.loads(parsed["function"]["arguments"]) == {"x": 1}
+
+
 def test_a_duplicate_answered_first_does_not_stand_for_the_original(engine, tmp_path, monkeypatch):
     # The duplicate's error line is written when it is read, before the original finishes; an
     # interrupted run must still run the original on resume.
@@ -291,7 +312,8 @@ def test_cli_run_batch(tiny_models, tmp_path, capsys):
     src.write_text(GOOD[0] + "\n" + BAD[1] + "\n")
     rc = main(["run-batch", "-i", str(src), "-o", str(dst), str(tiny_models["llama"]), "--max-num-seqs", "4",
                "--max-num-batched-tokens", "16", "--num-kv-blocks", "64", "--max-model-len", "64",
-               "--token-buckets", "16", "--max-in-flight", "1", "--no-progress"])
+               "--token-buckets", "16", "--max-in-flight", "1", "--no-progress", "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes"])
     assert rc == 0 and len(read(dst)) == 2
     assert capsys.readouterr().err.rstrip().endswith("1 succeeded, 1 failed, 0 already done -> " + str(dst))
 
@@ -302,6 +324,9 @@ def test_cli_reports_bad_flags_cleanly(tmp_path, capsys):
     assert rc == 2 and "nope" in capsys.readouterr().err
     rc = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"), "--max-in-flight", "0"])
     assert rc == 2 and "--max-in-flight must be at least 1, got 0" in capsys.readouterr().err
+    rc = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl"),
+               "--enable-auto-tool-choice"])
+    assert rc == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
 @pytest.mark.slow
