@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from jaxserve.core import RequestOutputKind, SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
+from jaxserve.protocol import template_messages
 
 Message = dict[str, Any]
 
@@ -91,14 +92,15 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
-        `continue_final_message` (with add_generation_prompt=False): continue the last message."""
+        Messages are OpenAI's, as the server takes them (content as a string or as text parts, an
+        assistant's tool_calls). `continue_final_message` (with add_generation_prompt=False):
+        continue the last message. Each output's `prompt` is the rendered prompt text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.encode(
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message,
-                                    **(chat_template_kwargs or {})), add_special_tokens=False)}
-            for conv in conversations]
+        texts = [tok.apply_chat_template(template_messages(conv), add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                 for conv in conversations]
+        prompts = [{"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)} for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, items: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:

@@ -364,16 +364,7 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(d.get("content"), list):   # OpenAI content parts: keep the text ones
-                d["content"] = _text_parts(d["content"])
-            if d["role"] == "assistant" and d.get("tool_calls"):
-                d["content"] = d.get("content") or ""
-                d["tool_calls"] = _template_tool_calls(d["tool_calls"], len(out))
-            out.append(d)
-        return out
+        return template_messages([m.model_dump(exclude_none=True) for m in self.messages])
 
     def echoed(self) -> str:
         """What `echo` puts before each choice's content: the last message's text (its text parts
@@ -392,6 +383,21 @@ class ChatCompletionRequest(_SamplingFields):
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(_max_tokens(requested, name, prompt_len, max_model_len), logprobs)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as chat templates take them: content parts joined into one string (text
+    parts only: others are a RequestError), an assistant's tool calls with their arguments as objects."""
+    out = []
+    for d in messages:
+        d = dict(d)
+        if isinstance(d.get("content"), list):   # OpenAI content parts: keep the text ones
+            d["content"] = _text_parts(d["content"])
+        if d.get("role") == "assistant" and d.get("tool_calls"):
+            d["content"] = d.get("content") or ""
+            d["tool_calls"] = _template_tool_calls(d["tool_calls"], len(out))
+        out.append(d)
+    return out
 
 
 def _text_parts(parts: list[dict[str, Any]]) -> str:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.protocol import ChatCompletionRequest
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,27 @@ def test_chat_applies_the_template(llm):
     tok = llm.get_tokenizer()
     expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False)
     assert out.prompt_token_ids == expected and len(out.outputs[0].token_ids) == 3
+
+
+def test_chat_takes_openai_messages_as_the_server_does(llm):
+    # Content as text parts (it raised TypeError inside the template), an assistant's tool call
+    # with its arguments as a JSON string; the output's prompt is the rendered text.
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    (out,) = llm.chat(parts, params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    rendered = ChatCompletionRequest(messages=parts).render(tok)
+    assert out.prompt == rendered and out.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    assert "hi there" in rendered
+    (plain,) = llm.chat([{"role": "user", "content": "hi there"}], params, use_tqdm=False)
+    (joined,) = llm.chat(parts[:1], params, use_tqdm=False)
+    assert joined.prompt_token_ids == plain.prompt_token_ids and joined.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                 use_tqdm=False)
 
 
 def test_stop_token_text_is_not_in_the_output(llm):
