@@ -255,9 +255,10 @@ class LLMEngine:
             if banned.issuperset(params.allowed_token_ids):
                 raise ValueError("no token can be sampled: one-token bad words and min_tokens' ban of EOS and the "
                                  "stop tokens ban every one of allowed_token_ids")
-        if params.min_tokens and len(params.stop_token_ids) + len(self.tokenizer.eos_token_ids) > MAX_BANNED:
-            raise ValueError(f"with min_tokens, at most {MAX_BANNED - len(self.tokenizer.eos_token_ids)} "
-                             f"stop_token_ids are supported, got {len(params.stop_token_ids)}")
+        num_eos = 0 if params.ignore_eos else len(self.tokenizer.eos_token_ids)   # EOS is banned too, unless ignored
+        if params.min_tokens and len(params.stop_token_ids) + num_eos > MAX_BANNED:
+            raise ValueError(f"with min_tokens, at most {MAX_BANNED - num_eos} stop_token_ids are supported, "
+                             f"got {len(params.stop_token_ids)}")
         if params.top_k >= vocab:
             params = params.clone(top_k=0)   # keeping the whole vocabulary is no truncation at all
         return params

@@ -152,6 +152,22 @@ def test_chat_takes_openai_messages_as_the_server_does(llm):
                  use_tqdm=False)
 
 
+def test_min_tokens_bans_every_stop_token_id(llm):
+    # vLLM bans EOS and every stop token id until min_tokens: 40 of them were a ValueError (the
+    # step had room for 8, EOS included even under ignore_eos).
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["abc"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stops = sorted(set(free) | set(range(100, 140)))
+    assert len(stops) >= 40
+    for ignore_eos in (True, False):
+        params = greedy.clone(min_tokens=10, stop_token_ids=stops, ignore_eos=ignore_eos)
+        out = llm.generate(["abc"], params, use_tqdm=False)[0].outputs[0]
+        assert not set(out.token_ids[:10]) & set(stops) and len(out.token_ids) >= 10
+        assert out.finish_reason == "length" or out.token_ids[-1] in stops or not ignore_eos
+    with pytest.raises(ValueError, match="with min_tokens, at most 136 stop_token_ids are supported, got 137"):
+        llm.generate(["abc"], greedy.clone(min_tokens=1, stop_token_ids=list(range(137))), use_tqdm=False)
+
+
 def test_stop_token_text_is_not_in_the_output(llm):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     free = llm.generate(["abc"], greedy, use_tqdm=False)[0].outputs[0]
