@@ -315,7 +315,7 @@ def _prepare(engine: LLMEngine, obj: dict, custom_id: str, lineno: int, model: s
     if req.stream:
         raise RequestError("stream is not supported in a batch job", param="stream")
     items = prepare(req, engine.tokenizer, engine.max_model_len, RequestLimits(max_logprobs=engine.config.max_logprobs),
-                    tools)
+                    tools, engine.sampling_defaults)
     return _Line(custom_id, req, f"batch-{lineno}-{uuid.uuid4().hex[:8]}", items)
 
 

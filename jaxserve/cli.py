@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the device (steps run one by one while a request uses a grammar, penalties or drafts, "
                         "and with data parallelism, several processes or a KV role)")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
+    g.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto: the model's generation_config.json sets the defaults of the sampling fields a request "
+                        "leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps a chat "
+                        "request without max_tokens), as vLLM's default; none: jaxserve's own (default: %(default)s)")
     g.add_argument("--token-buckets", type=_int_list, default=None,
                    help="comma-separated token counts to compile the step for, ending at the budget "
                         "(default: powers of two up to --max-num-batched-tokens)")
@@ -84,7 +88,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=_data_parallel_size(args),
         attention_backend=args.attention_backend, attention_self_check=args.attention_self_check,
         seed=args.seed, token_buckets=args.token_buckets, speculative_config=args.speculative_config,
@@ -203,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
     router.add_argument("--startup-timeout-s", type=_positive_float, default=600.0,
                         help="how long to wait for every instance to answer at start-up (default: %(default)s)")
+    router.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                        help="as `serve`'s: auto fills the sampling fields a request leaves out from MODEL's "
+                             "generation_config.json (default: %(default)s)")
     add_tool_args(router)
     router.set_defaults(func=_router)
 
@@ -327,7 +334,7 @@ def _router(args: argparse.Namespace) -> int:
 
     return serve_router(args.model, prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                         api_key=args.api_key, startup_timeout_s=args.startup_timeout_s,
-                        tool_parser=tool_parser_of(args))
+                        tool_parser=tool_parser_of(args), generation_config=args.generation_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,9 @@ class EngineConfig:
                                               # tokens stay on the device); where a request needs its last token
                                               # on the host first (grammars, penalties, drafts), steps run one by one
     max_logprobs: int = 20                    # largest `logprobs` a request may ask for
+    generation_config: str = "auto"           # "auto": the model's generation_config.json sets the defaults of
+                                              # the sampling fields a request leaves out (vLLM's default);
+                                              # "none": jaxserve's own (temperature 1, no filters)
     token_buckets: tuple[int, ...] | None = None  # token counts the step is compiled for (default: powers
                                               # of two up to the budget); fewer buckets = faster warm-up
     background_warmup_after: int = 0         # compile the buckets above this many tokens after start-up, in
@@ -98,6 +101,9 @@ class EngineConfig:
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} with num_processes={self.num_processes}: "
                              "a multi-process engine runs one replica spanning every process's devices")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config={self.generation_config!r} must be 'auto' (the model's sampling "
+                             "defaults) or 'none' (jaxserve's)")
         if not isinstance(self.background_warmup_after, int) or self.background_warmup_after < 0:
             raise ValueError(f"background_warmup_after={self.background_warmup_after!r} must be an integer >= 0")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

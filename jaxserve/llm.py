@@ -54,6 +54,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: SamplingParams' defaults, with the
+        model's generation config over them (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens) unless the engine runs with generation_config="none"."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -63,7 +69,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": ...}); outputs in input order.
 
-        A request that fails on its own (processing its output raised; logged with its
+        Without `sampling_params`: `get_default_sampling_params()`. A request that fails on its own (processing its output raised; logged with its
         traceback) comes back finished with `error` set and finish_reason "error"; the others
         are unaffected.
         """
@@ -72,7 +78,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+            params_list = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -12,6 +12,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -194,8 +195,8 @@ class _SamplingFields(BaseModel):
             raise RequestError("response_format json_schema needs json_schema.schema", param="response_format")
         return StructuredOutputsParams(json=json.dumps(rf.json_schema.schema_))
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:   # vLLM's 400
             raise RequestError("stream_options can only be given when stream is true", param="stream_options")
         kw: dict[str, Any] = {}
@@ -203,6 +204,8 @@ class _SamplingFields(BaseModel):
                      "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
+            elif defaults and name in defaults:   # the model's generation config (--generation-config auto)
+                kw[name] = defaults[name]
         structured = self._structured_outputs()     # its own RequestErrors name their param
         bias = self._logit_bias()
         try:
@@ -251,13 +254,15 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, max_model_len: int,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's sampling defaults for the fields left out (max_tokens has the API's, 16)."""
         # echo with logprobs returns an entry for every prompt token too (the first one null).
         echoed = self.logprobs if self.echo and self.logprobs is not None else None
         if echoed is not None and self.prompt_logprobs is not None:
             echoed = max(echoed, self.prompt_logprobs)
         return self._sampling_params(_max_tokens(1 if self.prompt_only else self.max_tokens, "max_tokens", prompt_len,
-                                                 max_model_len), self.logprobs, echoed)
+                                                 max_model_len), self.logprobs, echoed, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -376,13 +381,19 @@ class ChatCompletionRequest(_SamplingFields):
             return ""
         return last.content if isinstance(last.content, str) else _text_parts(last.content)
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, max_model_len: int,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's sampling defaults for the fields left out (max_tokens: at most the
+        room left in the context)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(_max_tokens(requested, name, prompt_len, max_model_len), logprobs)
+        max_tokens = _max_tokens(requested, name, prompt_len, max_model_len)
+        if requested is None and defaults and "max_tokens" in defaults:
+            max_tokens = min(max_tokens, defaults["max_tokens"])
+        return self._sampling_params(max_tokens, logprobs, defaults=defaults)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -630,10 +641,12 @@ ENDPOINTS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model_len: int,
             limits: RequestLimits = RequestLimits(), tool_parser: ToolParser | None = None,
-            ) -> list[tuple[dict, SamplingParams]]:
+            defaults: Mapping[str, Any] | None = None) -> list[tuple[dict, SamplingParams]]:
     """Engine inputs of a validated request: one (prompt dict, params) per prompt.
 
     `tool_parser`: the server's --tool-call-parser, when --enable-auto-tool-choice is on.
+    `defaults`: the engine's `sampling_defaults` (the model's generation config), for the fields the
+    request leaves out.
     """
     req.check_unsupported()
     if isinstance(req, ChatCompletionRequest):
@@ -662,7 +675,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model
             raise RequestError("prompt must not be empty", param="prompt")
         if keep is not None and len(ids) > keep:
             text, ids = None, ids[-keep:]     # the text no longer matches: echo decodes the ids kept
-        params = req.sampling_params(len(ids), max_model_len)
+        params = req.sampling_params(len(ids), max_model_len, defaults)
         if isinstance(req, ChatCompletionRequest) and req.parses_tool_calls(tool_parser):
             # Some models' tool-call tags are special tokens: keep them in the text (as vLLM does).
             params = params.clone(skip_special_tokens=False)

@@ -212,7 +212,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """(prompt, SamplingParams) through the /v1/completions checks; runs on a worker thread."""
         body = completion_body(request, _prompt_ids(request, self.engine.tokenizer))
         req = parse(CompletionRequest, body)
-        ((prompt, params),) = prepare(req, self.engine.tokenizer, self.engine.max_model_len, self.limits)
+        ((prompt, params),) = prepare(req, self.engine.tokenizer, self.engine.max_model_len, self.limits,
+                                      defaults=getattr(self.engine, "sampling_defaults", None))
         return prompt, params
 
     async def _admit(self, request: pb.GenerateRequest,

@@ -43,6 +43,7 @@ from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.outputs import RequestMetrics
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.core.sampling_params import sampling_defaults
 from jaxserve.tokenizer import Tokenizer
 from server.app import create_app
 from server.router_stream import OutputAssembler, RouterStream, read_message
@@ -109,9 +110,17 @@ class _ProducerFailed(Exception):
 
 def load_tokenizer(model: str | None) -> tuple[Tokenizer, int]:
     """The tokenizer of `model` (None: the default model) and the model's vocabulary size, without its weights."""
+    tokenizer, vocab_size, _ = load_model_files(model)
+    return tokenizer, vocab_size
+
+
+def load_model_files(model: str | None, generation_config: str = "auto") -> tuple[Tokenizer, int, dict]:
+    """load_tokenizer's, and the model's sampling defaults (builder.sampling_defaults): the router fills in
+    the fields a request leaves out, as a single server does, and sends the instances every field."""
     checkpoint = load_checkpoint(model)
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
-    return tokenizer, int(checkpoint.config.get("vocab_size", tokenizer.vocab_size))
+    return (tokenizer, int(checkpoint.config.get("vocab_size", tokenizer.vocab_size)),
+            sampling_defaults(checkpoint.generation_config, generation_config))
 
 
 def check_instances(producers: list[_Instance], consumers: list[_Instance], vocab_size: int) -> None:
@@ -159,6 +168,7 @@ class RouterEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.block_size = info.block_size
+        self.sampling_defaults: dict = {}     # the model's (serve_router sets them), as an LLMEngine's
         # What create_app reads from an LLMEngine on a single server.
         self.engine = SimpleNamespace(config=SimpleNamespace(max_logprobs=info.max_logprobs),
                                       model_config=SimpleNamespace(vocab_size=info.vocab_size))
@@ -440,15 +450,19 @@ def router_app(engine: RouterEngine, *, api_key: str | None = None, tool_parser:
 
 def serve_router(model: str | None, *, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
                  port: int = 8000, api_key: str | None = None, startup_timeout_s: float = 600.0,
-                 tool_parser: str | None = None) -> int:
+                 tool_parser: str | None = None, generation_config: str = "auto") -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after draining in-flight requests)."""
     import uvicorn
 
-    tokenizer, vocab_size = load_tokenizer(model)
+    tokenizer, vocab_size, defaults = load_model_files(model, generation_config)
 
     async def run() -> None:
         engine = await RouterEngine.connect(tokenizer, vocab_size, prefill, decode,
                                             startup_timeout_s=startup_timeout_s)
+        engine.sampling_defaults = defaults
+        if defaults:
+            logger.info("sampling defaults from the model's generation config, for requests that leave them out: %s "
+                        "(--generation-config none keeps jaxserve's)", defaults)
         try:
             server = uvicorn.Server(uvicorn.Config(router_app(engine, api_key=api_key, tool_parser=tool_parser), host=host, port=port,
                                                    log_level="info", timeout_graceful_shutdown=30))

@@ -230,3 +230,24 @@ def _is_num(value: Any) -> bool:
 def _check(ok: bool, field: str, value: Any, rule: str) -> None:
     if not ok:
         raise ValueError(f"{field}={value!r} is invalid: {field} {rule}")
+
+
+# What the model's generation_config.json may set for the requests that leave the field out, as
+# vLLM takes it: the values that differ from Hugging Face's GenerationConfig defaults (written there
+# only because a tool saved them all), max_new_tokens as max_tokens.
+_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                        "max_new_tokens": None}
+
+
+def sampling_defaults(generation_config: dict, mode: str = "auto") -> dict:
+    """The sampling defaults of a model's generation config (`mode` "auto"), or none ("none")."""
+    if mode == "none":
+        return {}
+    out = {}
+    for key, hf_default in _GENERATION_DEFAULTS.items():
+        value = generation_config.get(key)
+        if value is None or value == hf_default or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out["max_tokens" if key == "max_new_tokens" else key] = int(value) if key in ("top_k", "max_new_tokens") \
+            else float(value)
+    return out

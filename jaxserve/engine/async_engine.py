@@ -48,6 +48,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = getattr(engine, "sampling_defaults", {})   # the model's (LLMEngine)
         self.max_num_queued_requests = max_num_queued_requests
         self.step_timeout_s = step_timeout_s
         self._on_dead = on_dead

@@ -20,6 +20,7 @@ from flax import nnx
 from checkpoints import Checkpoint, load_checkpoint, restore_orbax_params
 from jaxserve.config import EngineConfig
 from jaxserve.core import Scheduler, SchedulerConfig
+from jaxserve.core.sampling_params import sampling_defaults
 from jaxserve.engine import cpu_malloc
 from jaxserve.engine.devices import activation_bytes, kv_pool_bytes, resolve_dtype
 from jaxserve.engine.weights import checked_update, flat_params, path_name
@@ -57,6 +58,7 @@ class EngineParts:
     startup_seconds: dict[str, float]
     checkpoint_model_config: ModelConfig   # before KV heads were repeated (what callers' params match)
     kv_head_replicas: int                  # copies of each KV head (tensor parallelism beyond the KV heads)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)   # see sampling_defaults()
 
     @property
     def scheduler(self) -> Scheduler:   # the first replica's
@@ -285,6 +287,11 @@ def build_engine_parts(config: EngineConfig, params: Any = None) -> EngineParts:
     logger.info("engine ready: %s, %d replica(s) x tp %d, %d KV blocks of %d each, max_model_len %d, start-up %s",
                 checkpoint.name, len(replicas), config.tensor_parallel_size, num_blocks, config.block_size,
                 max_model_len, {k: round(v, 2) for k, v in times.items()})
+    defaults = sampling_defaults(checkpoint.generation_config, config.generation_config)
+    if defaults:
+        logger.info("sampling defaults from the model's generation config, for requests that leave them out: %s "
+                    "(--generation-config none keeps jaxserve's)", defaults)
     return EngineParts(config=config, checkpoint_name=checkpoint.name, model_config=model_config,
                        tokenizer=tokenizer, replicas=replicas, startup_seconds=times,
-                       checkpoint_model_config=checkpoint_model_config, kv_head_replicas=kv_replicas)
+                       checkpoint_model_config=checkpoint_model_config, kv_head_replicas=kv_replicas,
+                       sampling_defaults=defaults)

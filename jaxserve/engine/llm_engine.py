@@ -67,6 +67,9 @@ class LLMEngine:
         self.model_name = parts.checkpoint_name
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
+        # The model's sampling defaults for the fields a request leaves out (--generation-config auto):
+        # SamplingParams keyword arguments; empty when the model sets none.
+        self.sampling_defaults = parts.sampling_defaults
         self.replicas = parts.replicas
         # The first replica's scheduler and runner (the only ones unless data_parallel_size > 1).
         self.scheduler = parts.scheduler
@@ -139,7 +142,7 @@ class LLMEngine:
         n must be 1) or "consume" on a consumer (pull them from the producer first)."""
         if self.sleep_level:
             raise RuntimeError("the engine is asleep (sleep() released its memory): call wake_up() first")
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.sampling_defaults)
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)

@@ -409,6 +409,23 @@ def test_tool_calls_are_parsed_by_a_router_started_with_a_tool_call_parser(fakes
         router.stop()
 
 
+def test_the_models_sampling_defaults_fill_the_fields_a_request_leaves_out(router, fakes):
+    # serve_router sets them from MODEL's generation config (--generation-config auto); the instances
+    # get every field, so the router fills them in as a single server does.
+    _, _, consumer, _ = fakes
+    router.engine.sampling_defaults = {"temperature": 0.7, "top_k": 3, "max_tokens": 2}
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        assert post(router, chat, path="/v1/chat/completions").status_code == 200
+        sp = consumer.last.sampling_params
+        assert (round(sp.temperature, 6), sp.top_k, sp.max_tokens) == (0.7, 3, 2)
+        assert post(router, {**chat, "temperature": 0.5, "max_tokens": 3}, path="/v1/chat/completions").status_code == 200
+        sp = consumer.last.sampling_params
+        assert (sp.temperature, sp.top_k, sp.max_tokens) == (0.5, 3, 3)
+    finally:
+        router.engine.sampling_defaults = {}
+
+
 def test_a_request_the_producer_refuses_is_a_400_and_never_decoded(router, fakes):
     _, producer, consumer, _ = fakes
     producer.fail = (grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids=[999] has id 999 outside the vocabulary")
