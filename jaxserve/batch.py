@@ -224,7 +224,8 @@ class _Job:
             return
         self.summary.succeeded += 1
         self.generated += sum(len(c.token_ids) for o in line.outputs.values() for c in o.outputs)
-        self._write(_row(line.custom_id, line.request_id, 200, body=_body(line, self.model, self.engine.tokenizer, self.tools)))
+        body = _body(line, self.model, self.engine.tokenizer, self.tools)
+        self._write(_row(line.custom_id, line.request_id, 200, body=body))
 
     def _refused(self, custom_id: str, request_id: str | None, error: RequestError) -> None:
         self.summary.failed += 1

@@ -69,9 +69,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": ...}); outputs in input order.
 
-        Without `sampling_params`: `get_default_sampling_params()`. A request that fails on its own (processing its output raised; logged with its
-        traceback) comes back finished with `error` set and finish_reason "error"; the others
-        are unaffected.
+        Without `sampling_params`: `get_default_sampling_params()`. A request that fails on its
+        own (processing its output raised; logged with its traceback) comes back finished with
+        `error` set and finish_reason "error"; the others are unaffected.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and all(isinstance(t, int) for t in prompts)):

@@ -464,8 +464,9 @@ def serve_router(model: str | None, *, prefill: list[str], decode: list[str], ho
             logger.info("sampling defaults from the model's generation config, for requests that leave them out: %s "
                         "(--generation-config none keeps jaxserve's)", defaults)
         try:
-            server = uvicorn.Server(uvicorn.Config(router_app(engine, api_key=api_key, tool_parser=tool_parser), host=host, port=port,
-                                                   log_level="info", timeout_graceful_shutdown=30))
+            app = router_app(engine, api_key=api_key, tool_parser=tool_parser)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                                   timeout_graceful_shutdown=30))
             # uvicorn re-raises SIGTERM after its clean shutdown; a no-op handler lets the process exit 0.
             signal.signal(signal.SIGTERM, lambda signum, frame: None)
             logger.info("routing %s on http://%s:%d: prefill %s, decode %s", engine.served_model_name, host, port,

@@ -146,7 +146,8 @@ def test_chat_takes_openai_messages_as_the_server_does(llm):
     assert "hi there" in rendered
     (plain,) = llm.chat([{"role": "user", "content": "hi there"}], params, use_tqdm=False)
     (joined,) = llm.chat(parts[:1], params, use_tqdm=False)
-    assert joined.prompt_token_ids == plain.prompt_token_ids and joined.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert joined.prompt_token_ids == plain.prompt_token_ids
+    assert joined.outputs[0].token_ids == plain.outputs[0].token_ids
     with pytest.raises(ValueError, match="only text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                  use_tqdm=False)
