@@ -674,7 +674,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer, max_model
         if not ids:
             raise RequestError("prompt must not be empty", param="prompt")
         if keep is not None and len(ids) > keep:
-            text, ids = None, ids[-keep:]     # the text no longer matches: echo decodes the ids kept
+            # The text no longer matches: echo decodes the ids kept.
+            text, ids = None, tokenizer.truncate_left(text, ids, keep)
         params = req.sampling_params(len(ids), max_model_len, defaults)
         if isinstance(req, ChatCompletionRequest) and req.parses_tool_calls(tool_parser):
             # Some models' tool-call tags are special tokens: keep them in the text (as vLLM does).

@@ -155,6 +155,24 @@ class Tokenizer:
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def truncate_left(self, text: str | None, ids: list[int], keep: int) -> list[int]:
+        """The last `keep` tokens of a prompt, as a Hugging Face tokenizer truncating on the left
+        (vLLM's truncate_prompt_tokens): the special tokens its post-processor added around `text`
+        (e.g. BOS) stay, and the text's own tokens give way. Token ids without their text, or
+        encoded without specials, keep plainly their last `keep`."""
+        if len(ids) <= keep:
+            return ids
+        if text is not None:
+            body = self.encode(text, add_special_tokens=False)
+            for start in range(len(ids) - len(body) + 1):
+                if ids[start:start + len(body)] == body:
+                    prefix, suffix = ids[:start], ids[start + len(body):]
+                    room = keep - len(prefix) - len(suffix)
+                    if (prefix or suffix) and room >= 1:
+                        return prefix + body[-room:] + suffix
+                    break
+        return ids[-keep:]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -151,6 +151,25 @@ def test_add_special_tokens_follows_the_post_processor(tmp_path):
     assert tok.eos_token_ids == (2,)
 
 
+def test_truncate_left_keeps_the_specials_as_transformers_does(tmp_path):
+    # vLLM's truncate_prompt_tokens on a text prompt: the tokenizer truncates on the left to k,
+    # keeping the BOS its post-processor adds (cutting plain ids[-k:] lost it).
+    from transformers import AutoTokenizer
+
+    folder = _write_model(tmp_path / "bos", add_bos=True)
+    tok = Tokenizer.from_checkpoint(load_checkpoint(folder))
+    reference = AutoTokenizer.from_pretrained(str(folder), truncation_side="left")
+    text = "hello world, hello world once more"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and len(ids) > 8
+    for keep in (2, 4, 7, len(ids) - 1, len(ids), len(ids) + 3):
+        expected = reference(text, truncation=True, max_length=keep)["input_ids"]
+        assert tok.truncate_left(text, ids, keep) == expected, keep
+    plain = tok.encode(text, add_special_tokens=False)
+    assert tok.truncate_left(text, plain, 4) == plain[-4:]      # encoded without specials: the last 4
+    assert tok.truncate_left(None, ids, 4) == ids[-4:]          # token ids as given: the last 4
+
+
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(tok, reference, add_generation_prompt):
     ours = tok.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt)

@@ -150,7 +150,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         keep = truncated_length(params.truncate_prompt_tokens, self.max_model_len)
         if keep is not None and len(token_ids) > keep:
-            text, token_ids = None, token_ids[-keep:]
+            text, token_ids = None, self.tokenizer.truncate_left(text, token_ids, keep)
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
