@@ -173,6 +173,10 @@ class Tokenizer:
                     break
         return ids[-keep:]
 
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's strings of `ids` (byte-level ones as stored, e.g. "Ġhello"), as Hugging Face's."""
+        return [self._tokenizer.id_to_token(int(i)) for i in ids]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -43,6 +43,7 @@ class TokenizeCompletionRequest(BaseModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False          # vLLM's: also the vocabulary's string of each token
 
 
 class TokenizeChatRequest(BaseModel):
@@ -56,6 +57,7 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -180,14 +182,17 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
         tok = engine.tokenizer
         if "messages" in body:
             t = parsed(body, TokenizeChatRequest)
-            chat = parse(ChatCompletionRequest, {**t.model_dump(exclude_none=True),
+            chat = parse(ChatCompletionRequest, {**t.model_dump(exclude_none=True, exclude={"return_token_strs"}),
                                                  "tool_choice": "none" if t.tools else None})
             text = await asyncio.to_thread(chat.render, tok)
             ids = tok.encode(text, add_special_tokens=t.add_special_tokens)      # as the chat route encodes it
         else:
             t = parsed(body, TokenizeCompletionRequest)
             ids = tok.encode(t.prompt, add_special_tokens=t.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        response = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if t.return_token_strs:
+            response["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return response
 
     @app.post("/detokenize", responses=_ERRORS, openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request):

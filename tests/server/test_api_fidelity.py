@@ -88,6 +88,17 @@ def test_tokenize_chat_renders_what_chat_renders(client, server):
     assert bad.status_code == 400
 
 
+def test_tokenize_returns_the_token_strings_when_asked(server):
+    # vLLM's return_token_strs (it was a 400: an unknown field): the vocabulary's string of each token.
+    for body in ({"prompt": "hello there"}, {"messages": [{"role": "user", "content": "hello there"}]}):
+        plain = httpx.post(f"{server.url}/tokenize", json=body).json()
+        both = httpx.post(f"{server.url}/tokenize", json={**body, "return_token_strs": True}).json()
+        assert "token_strs" not in plain and both["tokens"] == plain["tokens"]
+        tok = server.engine.tokenizer
+        assert both["token_strs"] == [tok._tokenizer.id_to_token(t) for t in plain["tokens"]]
+        assert len(both["token_strs"]) == both["count"] and all(isinstance(x, str) for x in both["token_strs"])
+
+
 def test_continue_final_message_renders_the_last_message_open(client, server):
     """vLLM's continue_final_message: the prompt ends with the last message's text (no end of turn),
     in /tokenize and in chat alike; with add_generation_prompt left on it is a 400 naming it."""
