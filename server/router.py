@@ -39,11 +39,11 @@ from prometheus_client.core import CounterMetricFamily
 
 from checkpoints import load_checkpoint
 from jaxserve.core import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxserve.core.sampling_params import sampling_defaults
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.outputs import RequestMetrics
 from jaxserve.proto import jaxserve_pb2 as pb
 from jaxserve.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.core.sampling_params import sampling_defaults
 from jaxserve.tokenizer import Tokenizer
 from server.app import create_app
 from server.router_stream import OutputAssembler, RouterStream, read_message
@@ -115,8 +115,9 @@ def load_tokenizer(model: str | None) -> tuple[Tokenizer, int]:
 
 
 def load_model_files(model: str | None, generation_config: str = "auto") -> tuple[Tokenizer, int, dict]:
-    """load_tokenizer's, and the model's sampling defaults (builder.sampling_defaults): the router fills in
-    the fields a request leaves out, as a single server does, and sends the instances every field."""
+    """load_tokenizer's, and the model's sampling defaults (jaxserve.core.sampling_params.sampling_defaults):
+    the router fills in the fields a request leaves out, as a single server does, and sends the instances
+    every field."""
     checkpoint = load_checkpoint(model)
     tokenizer = Tokenizer.from_checkpoint(checkpoint)
     return (tokenizer, int(checkpoint.config.get("vocab_size", tokenizer.vocab_size)),
