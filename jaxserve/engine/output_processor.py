@@ -236,17 +236,27 @@ class OutputProcessor:
                 if i == len(state.prompt_logprobs):
                     state.prompt_logprobs.append(logprobs_dict(prompt[i], lp))
             seq.num_prompt_logprobs += len(co.new_prompt_logprobs)
-        seq.token_ids += co.new_token_ids
-        if seq.logprobs is not None:
-            for token_id, lp in zip(co.new_token_ids, co.new_logprobs):
-                seq.logprobs.append(logprobs_dict(token_id, lp))
-                seq.cumulative_logprob += lp.token_logprob
         new_ids = co.new_token_ids
-        if co.finish_reason == "stop" and not state.params.include_stop_str_in_output and new_ids and \
-                (co.stop_reason is not None or new_ids[-1] in self.tokenizer.eos_token_ids):
-            new_ids = new_ids[:-1]   # EOS or a stop token id: its text is not part of the output (as vLLM)
+        # EOS or a stop token id ending the step: its text is not part of the output (as vLLM).
+        untold = co.finish_reason == "stop" and not state.params.include_stop_str_in_output and bool(new_ids) and \
+            (co.stop_reason is not None or new_ids[-1] in self.tokenizer.eos_token_ids)
+        # Several tokens in one step (accepted drafts) are matched against the stop strings one at a
+        # time, as plain decoding would: the first token whose text completes one ends the sequence,
+        # and the tokens after it are dropped.
+        pieces = [[t] for t in new_ids] if state.params.stop and len(new_ids) > 1 else [new_ids]
+        stop, first = None, 0     # first: the piece's first token's index in new_ids
+        for i, piece in enumerate(pieces):
+            seq.token_ids += piece
+            if seq.logprobs is not None:
+                for token_id, lp in zip(piece, co.new_logprobs[first:first + len(piece)]):
+                    seq.logprobs.append(logprobs_dict(token_id, lp))
+                    seq.cumulative_logprob += lp.token_logprob
+            first += len(piece)
+            text_ids = piece[:-1] if untold and i == len(pieces) - 1 else piece
+            stop = seq.detok.update(text_ids, len(seq.token_ids) > state.params.min_tokens)
+            if stop is not None:
+                break
         check_stop = len(seq.token_ids) > state.params.min_tokens
-        stop = seq.detok.update(new_ids, check_stop)
         if co.finished and stop is None:
             stop = seq.detok.flush(check_stop)
         if stop is not None:

@@ -96,6 +96,34 @@ def test_stop_tokens_and_max_tokens_end_where_plain_decoding_ends(plain, spec):
         assert token_ids(spec.generate(ps, p, use_tqdm=False)) == token_ids(plain.generate(ps, p, use_tqdm=False))
 
 
+def test_stop_strings_end_where_plain_decoding_ends(plain, spec):
+    # A stop string completed by an accepted draft token, not the step's last: the tokens after it
+    # were kept (token_ids, usage), and with several stop strings the first in the list won, not the
+    # first completed. Stops cut from each greedy output at every token it has, so many fall inside
+    # a step's accepted drafts; the outputs, texts and reasons must be plain decoding's (requests
+    # with logprobs do not speculate).
+    ps = prompts(8, seed=4)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tok = plain.get_tokenizer()
+    params, cases = [], []
+    for prompt, out in zip(ps, plain.generate(ps, greedy, use_tqdm=False)):
+        ids = out.outputs[0].token_ids
+        for cut in range(2, len(ids), 3):
+            text, longer = tok.decode(ids[:cut]), tok.decode(ids[:cut + 2])
+            for stop, include in (([text], True), ([longer, text], False)):
+                params.append(greedy.clone(stop=stop, include_stop_str_in_output=include))
+                cases.append(prompt)
+    before = spec.engine.stats()["spec_decode_num_accepted_tokens"]
+    got = spec.generate(cases, params, use_tqdm=False)
+    want = plain.generate(cases, params, use_tqdm=False)
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] - before > 50
+
+    def seen(outs):
+        return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+    assert seen(got) == seen(want)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in got) > len(got) // 2
+
+
 def test_disable_by_batch_size_stops_drafting_in_large_batches(tiny_models, plain):
     capped = LLM(str(tiny_models["llama"]), speculative_config={**NGRAM, "disable_by_batch_size": 4},
                  **TINY_ENGINE_OPTIONS)
