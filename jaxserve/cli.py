@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, DTYPES, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, DTYPE_CHOICES, DTYPES, GENERATION_CONFIGS, EngineConfig
 from jaxserve.core.kv_transfer import KV_ROLES, LOAD_FAILURE_POLICIES
 from jaxserve.protocol import RequestLimits
 from jaxserve.tool_parsers import TOOL_PARSERS
@@ -50,7 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the device (steps run one by one while a request uses a grammar, penalties or drafts, "
                         "and with data parallelism, several processes or a KV role)")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
-    g.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+    g.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
                    help="auto: the model's generation_config.json sets the defaults of the sampling fields a request "
                         "leaves out (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps a chat "
                         "request without max_tokens), as vLLM's default; none: jaxserve's own (default: %(default)s)")
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on every route except /health and /metrics")
     router.add_argument("--startup-timeout-s", type=_positive_float, default=600.0,
                         help="how long to wait for every instance to answer at start-up (default: %(default)s)")
-    router.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+    router.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
                         help="as `serve`'s: auto fills the sampling fields a request leaves out from MODEL's "
                              "generation_config.json (default: %(default)s)")
     add_tool_args(router)

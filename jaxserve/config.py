@@ -14,6 +14,7 @@ from jaxserve.core.speculative import SpeculativeConfig
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)     # "auto": resolved per device at start-up (jaxserve.engine.devices)
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas_gpu", "pallas_tpu")
+GENERATION_CONFIGS = ("auto", "none")   # where a request's unset sampling fields come from (EngineConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,7 @@ class EngineConfig:
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} with num_processes={self.num_processes}: "
                              "a multi-process engine runs one replica spanning every process's devices")
-        if self.generation_config not in ("auto", "none"):
+        if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config={self.generation_config!r} must be 'auto' (the model's sampling "
                              "defaults) or 'none' (jaxserve's)")
         if not isinstance(self.background_warmup_after, int) or self.background_warmup_after < 0:

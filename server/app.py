@@ -156,7 +156,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, api
     async def prepared(req):
         # Chat templates and tokenization of long prompts run off the event loop.
         return await asyncio.to_thread(prepare, req, engine.tokenizer, engine.max_model_len, limits, tools,
-                                       getattr(engine, "sampling_defaults", None))
+                                       engine.sampling_defaults)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "the engine is running"},
                                                              503: {"model": ErrorResponse}})

@@ -213,7 +213,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         body = completion_body(request, _prompt_ids(request, self.engine.tokenizer))
         req = parse(CompletionRequest, body)
         ((prompt, params),) = prepare(req, self.engine.tokenizer, self.engine.max_model_len, self.limits,
-                                      defaults=getattr(self.engine, "sampling_defaults", None))
+                                      defaults=self.engine.sampling_defaults)
         return prompt, params
 
     async def _admit(self, request: pb.GenerateRequest,
